@@ -1,0 +1,20 @@
+"""minillm: a small LLM inference engine built chapter by chapter in the course."""
+
+from minillm.generate import generate_naive
+from minillm.model import ModelConfig, Transformer
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+from minillm.weights import BUNDLED_DIR, load_model, load_tokenizer, save_model
+
+__all__ = [
+    "BUNDLED_DIR",
+    "ModelConfig",
+    "SamplingParams",
+    "Tokenizer",
+    "Transformer",
+    "generate_naive",
+    "load_model",
+    "load_tokenizer",
+    "save_model",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from minillm.cli import main
+
+main()

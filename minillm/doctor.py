@@ -1,0 +1,111 @@
+"""`python -m minillm doctor`: is this machine ready for the course, and what will skip?"""
+
+from __future__ import annotations
+
+import platform
+import re
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parent.parent
+# What each chapter needs beyond the CPU stack, and what skips without it.
+CHAPTERS = {
+    "01 inference vs training": None,
+    "02 KV cache": None,
+    "03 ONNX": "ONNX Runtime CUDA provider timings",
+    "04 TensorRT": "torch-tensorrt and ORT TensorRT/CUDA providers",
+    "05 torch.compile": "CUDA graphs (mode='reduce-overhead')",
+    "06 quantization": "compiled Triton kernel and bitsandbytes GPU timings",
+    "07 PagedAttention": "compiled Triton kernels and bandwidth benchmarks",
+    "08 continuous batching": "vLLM comparison",
+    "09 choosing a stack": "vLLM and TensorRT rows",
+    "10 FAQ lab": None,
+}
+
+
+def requirements(name: str) -> list[Requirement]:
+    """Parse a requirements file of the repository (comments and options skipped)."""
+    path = REPO / name
+    if not path.exists():
+        return []
+    lines = (re.sub(r"\s+#.*", "", line).strip() for line in path.read_text().splitlines())
+    return [Requirement(line) for line in lines if line and not line.startswith(("#", "-"))]
+
+
+def _installed(name: str) -> bool:
+    try:
+        return bool(metadata.version(name))
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def check(req: Requirement) -> tuple[bool, str]:
+    """(ok, one line) for an installed package against its pin."""
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return False, f"FAIL {req.name:<16} not installed (wants {req.specifier})"
+    local = version.split("+")[0]  # 2.13.0+cpu satisfies ==2.13.0
+    ok = req.specifier.contains(local, prereleases=True)
+    return ok, f"{'OK  ' if ok else 'FAIL'} {req.name:<16} {version:<14} (wants {req.specifier})"
+
+
+def device_lines() -> tuple[str, list[str]]:
+    """('cuda' | 'mps' | 'cpu', description lines)."""
+    lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
+    lines.append(f"cpu: {platform.machine()}, {torch.get_num_threads()} torch threads")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            mem = torch.cuda.get_device_properties(i).total_memory / 2**30
+            name = torch.cuda.get_device_name(i)
+            lines.append(f"cuda:{i}: {name}, compute capability {major}.{minor}, {mem:.0f} GiB")
+        return "cuda", lines
+    if torch.backends.mps.is_available():
+        return "mps", lines + ["mps: Apple GPU (CUDA-only cells will skip)"]
+    return "cpu", lines + ["no GPU: Triton kernels run interpreted (TRITON_INTERPRET=1)"]
+
+
+def main() -> int:
+    """Print the report; exit status 1 if a required (CPU-stack) package fails."""
+    reqs = requirements("requirements.txt")
+    if _installed("onnxruntime-gpu"):  # the GPU build replaces the CPU one (same module)
+        reqs = [r for r in reqs if r.name != "onnxruntime"]
+    failures = 0
+    print("== packages (requirements.txt) ==")
+    if not reqs:
+        print(f"requirements.txt not found next to the package ({REPO}): run from a clone")
+    for req in reqs:
+        ok, line = check(req)
+        failures += not ok
+        print(line)
+    kind, lines = device_lines()
+    gpu_reqs = [
+        r for r in requirements("requirements-gpu.txt") if r.name not in {q.name for q in reqs}
+    ]
+    if gpu_reqs:
+        print("== GPU-only packages (requirements-gpu.txt) ==")
+        for req in gpu_reqs:
+            ok, line = check(req)
+            print(line if ok or kind == "cuda" else f"SKIP {req.name:<16} (GPU only)")
+    print("== device ==")
+    print("\n".join(lines))
+    print("== chapters ==")
+    for chapter, gpu_part in CHAPTERS.items():
+        written = any((REPO / "notebooks").glob(f"{chapter[:2]}_*.ipynb"))
+        if not written:
+            print(f"--     {chapter}: notebook not in this checkout yet")
+        elif gpu_part is None or kind == "cuda":
+            print(f"full   {chapter}")
+        else:
+            print(f"CPU    {chapter}: skips {gpu_part}")
+    print(
+        "all required packages OK"
+        if not failures
+        else f"{failures} package(s) FAIL: "
+        "run `make test` or `pip install -r requirements.txt` (torch==2.13.0 first)"
+    )
+    return int(failures > 0)

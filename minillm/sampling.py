@@ -1,0 +1,76 @@
+"""Sampling parameters with vLLM's names, and the token samplers they select."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. `temperature=0` means greedy, as in vLLM."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut (vLLM accepts both)
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 disables it)")
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1, or 0/-1 to disable it")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set every logit below the k-th largest of its row to -inf."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to >= p."""
+    if p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the tokens ranked above it already reach p.
+    drop = probs.cumsum(dim=-1) - probs >= p
+    drop = drop.scatter(-1, order, drop)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, vocab]."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    logits = top_p_filter(top_k_filter(logits, params.top_k), params.top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A private RNG so a seeded request is reproducible whatever else runs."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
