@@ -1,6 +1,6 @@
 """minillm: a small LLM inference engine built chapter by chapter in the course."""
 
-from minillm.generate import generate_naive
+from minillm.generate import generate, generate_naive
 from minillm.model import ModelConfig, Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -12,6 +12,7 @@ __all__ = [
     "SamplingParams",
     "Tokenizer",
     "Transformer",
+    "generate",
     "generate_naive",
     "load_model",
     "load_tokenizer",

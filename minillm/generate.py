@@ -1,6 +1,8 @@
-"""Generation without a cache: every step re-runs the whole sequence.
+"""Generation: the naive loop (chapter 01) and the cached one (chapter 02).
 
-This is the O(n^2) baseline that chapter 02's KV cache beats.
+`generate_naive` re-runs the whole sequence every step: O(n^2) work for n tokens.
+`generate` runs the prompt once (prefill), keeps every token's K/V in a KVCache,
+and then runs one token per step (decode): O(n) projections and MLPs.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from minillm.kv_cache import KVCache
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams, make_generator, sample
 
@@ -53,4 +56,56 @@ def generate_naive(
         if out[-1] in stops:
             break
         ids = torch.cat([ids, token[:, None]], dim=1)
+    return out
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+) -> torch.Tensor:
+    """One token per row; each row draws from its own RNG, so a seeded request gives the
+    same tokens whether it runs alone or in a batch."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return torch.cat([sample(logits[b : b + 1], params, g) for b, g in enumerate(generators)])
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """Generated ids for each prompt (prompts may differ in length), with a KV cache.
+
+    Prefill: the prompts, right-padded into one batch, go through the model once and fill
+    the cache. Decode: each step feeds one new token per sequence at its own position.
+    """
+    device = model.lm_head.weight.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    for p in prompts:
+        check_length(model, len(p), params.max_tokens)
+    batch, longest = len(prompts), int(lengths.max())
+    cache = KVCache(
+        model.config, batch, longest + params.max_tokens, model.lm_head.weight.dtype, device
+    )
+    ids = torch.zeros(batch, longest, dtype=torch.long, device=device)  # padding: any id
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p, device=device)
+
+    cache.kv_len = longest
+    logits = model(ids, cache=cache)  # prefill: all prompt tokens in one forward
+    logits = logits[torch.arange(batch, device=device), lengths - 1]  # each row's last token
+    generators = [make_generator(params.seed, device) for _ in prompts]
+    stops, out = stop_ids(model, params), [[] for _ in prompts]
+    done = [False] * batch
+    positions = lengths.clone()  # where each sequence's next token goes
+    for step in range(params.max_tokens):
+        tokens = _sample_rows(logits, params, generators)
+        for b, token in enumerate(tokens.tolist()):
+            if not done[b]:
+                out[b].append(token)
+                done[b] = token in stops
+        if all(done) or step == params.max_tokens - 1:
+            break
+        cache.kv_len = longest + step + 1  # slots filled so far, in the longest row
+        logits = model(tokens[:, None], positions[:, None], cache=cache)[:, -1]  # decode
+        positions += 1
     return out

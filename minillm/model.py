@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from minillm.kv_cache import KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # config.json keys that from_hf turns into fields (the rest is carried through unread).
@@ -184,8 +187,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which layer's slots of a KV cache this attention owns
         self.n_heads, self.n_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -197,14 +201,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x, positions, cos, sin, mask, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # store this step's K/V, attend over everything stored so far
+            k, v = cache.update(self.layer_idx, k, v, positions)
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
@@ -229,15 +233,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, positions, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -247,7 +251,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -268,16 +272,21 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """`positions` defaults to 0..T-1; `mask` (bool [B, 1, T, S], True = attend)
-        defaults to causal over the T tokens given."""
+        """`positions` defaults to 0..T-1. Without a cache, attention is causal over the T
+        tokens given; with one, the tokens' K/V are written at their positions and each
+        token attends to every cached position up to its own. `mask` (bool [B, 1, T, S],
+        True = attend) overrides either."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = positions.expand(input_ids.shape[0], -1)
+        if cache is not None and mask is None:
+            mask = cache.causal_mask(positions)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, positions, cos, sin, mask, cache)
         return self.lm_head(self.model.norm(x))
 
     def num_parameters(self) -> int:

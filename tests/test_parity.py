@@ -64,6 +64,9 @@ def build_hf(case: str, tmp_path):
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**BASE, **extra)
     hf = getattr(transformers, model_cls)(cfg).eval()
+    # No EOS: transformers would stop at it (or, with min_new_tokens, forbid it), while
+    # ignore_eos=True lets minillm emit it like any other token.
+    hf.generation_config.eos_token_id = None
     with torch.no_grad():  # random biases: HF initialises them to zero, which would hide bugs
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
@@ -92,7 +95,6 @@ def test_greedy_tokens_match_transformers_for_32_steps(case, tmp_path):
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=32,
-        min_new_tokens=32,
         do_sample=False,
         use_cache=False,
         pad_token_id=0,

@@ -1,0 +1,137 @@
+"""The KV cache changes how much work generation does, never what it generates."""
+
+import pytest
+import torch
+import transformers
+
+from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
+from minillm.kv_cache import KVCache
+from minillm.model import ModelConfig, Transformer
+
+PROMPTS = ["In the beginning", "And the LORD said unto Moses, Speak unto", "Blessed"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer()
+    return [tok.encode(p) for p in PROMPTS]
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_cached_greedy_equals_naive_greedy(model, prompts):
+    for p in prompts:
+        assert generate(model, [p], greedy(40)) == [generate_naive(model, p, greedy(40))]
+
+
+def test_cached_logits_match_full_forward_at_every_step(model, prompts):
+    """Decode step by step through the cache; compare each step's logits with a full
+    forward over the whole sequence so far."""
+    p = prompts[1]
+    seq = p + generate_naive(model, p, greedy(30))
+    cache = KVCache(model.config, 1, len(seq))
+    with torch.inference_mode():
+        cache.kv_len = len(p)
+        step_logits = [model(torch.tensor([p]), cache=cache)[0, -1]]
+        for pos in range(len(p), len(seq) - 1):
+            cache.kv_len = pos + 1
+            x, at = torch.tensor([[seq[pos]]]), torch.tensor([[pos]])
+            step_logits.append(model(x, at, cache=cache)[0, -1])
+        full = model(torch.tensor([seq]))[0, len(p) - 1 : -1]
+    torch.testing.assert_close(torch.stack(step_logits), full, atol=1e-4, rtol=0)
+
+
+def test_batched_equals_one_at_a_time(model, prompts):
+    alone = [generate(model, [p], greedy(24))[0] for p in prompts]
+    assert generate(model, prompts, greedy(24)) == alone
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=5, ignore_eos=True)
+    alone = [generate(model, [p], sampled)[0] for p in prompts]
+    assert generate(model, prompts, sampled) == alone
+    assert alone[0] == generate_naive(model, prompts[0], sampled)
+
+
+def test_batched_stops_each_sequence_at_its_own_eos(model, prompts):
+    free = generate(model, prompts, greedy(20))
+    stop = free[1][5]  # a token the second sequence emits
+    out = generate(model, prompts, greedy(20, stop_token_ids=[stop]))
+    for full, cut in zip(free, out, strict=True):
+        expected = full[: full.index(stop) + 1] if stop in full else full
+        assert cut == expected
+
+
+@pytest.mark.parametrize(
+    "cfg_cls, model_cls, extra",
+    [
+        ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+        (
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            dict(
+                num_key_value_heads=1,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            ),
+        ),
+        ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    ],
+)
+def test_equals_transformers_generate_with_cache(cfg_cls, model_cls, extra, tmp_path):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **extra,
+    )
+    hf = getattr(transformers, model_cls)(cfg).eval()
+    # No EOS: transformers would stop at it (or, with min_new_tokens, forbid it), while
+    # ignore_eos=True lets minillm emit it like any other token.
+    hf.generation_config.eos_token_id = None
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    prompts = [[5, 17, 3, 42, 8], [9, 1, 60]]
+    for p in prompts:  # transformers' batched generate left-pads; compare one by one
+        expected = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=32,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        assert generate(ours, [p], greedy(32))[0] == expected
+    batched = generate(ours, prompts, greedy(32))
+    assert batched == [generate(ours, [p], greedy(32))[0] for p in prompts]
+
+
+def test_cache_bytes_follow_the_formula_and_store_kv_heads():
+    cfg = ModelConfig(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+    cache = KVCache(cfg, batch_size=4, max_len=100)
+    expected = 2 * 3 * 4 * 2 * 100 * cfg.head_dim * 4  # 2 (K,V) x layers x B x kv x S x d x fp32
+    assert cache.nbytes == expected
+    assert cache.k.shape == (3, 4, 2, 100, cfg.head_dim)  # kv heads, not query heads
+
+
+def test_refuses_a_cache_longer_than_the_context():
+    cfg = ModelConfig(max_position_embeddings=64)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        KVCache(cfg, 1, 65)
+    model = Transformer(cfg).eval()
+    with pytest.raises(ValueError, match="shorten the prompt or lower max_tokens"):
+        generate(model, [[1] * 60], greedy(10))
