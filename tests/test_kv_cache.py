@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-import transformers
+from hf_reference import build_hf, hf_greedy
 
 from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
 from minillm.kv_cache import KVCache
@@ -66,56 +66,13 @@ def test_batched_stops_each_sequence_at_its_own_eos(model, prompts):
         assert cut == expected
 
 
-@pytest.mark.parametrize(
-    "cfg_cls, model_cls, extra",
-    [
-        ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
-        (
-            "LlamaConfig",
-            "LlamaForCausalLM",
-            dict(
-                num_key_value_heads=1,
-                rope_parameters={
-                    "rope_type": "llama3",
-                    "rope_theta": 500000.0,
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 16,
-                },
-            ),
-        ),
-        ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
-    ],
-)
-def test_equals_transformers_generate_with_cache(cfg_cls, model_cls, extra, tmp_path):
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        **extra,
-    )
-    hf = getattr(transformers, model_cls)(cfg).eval()
-    # No EOS: transformers would stop at it (or, with min_new_tokens, forbid it), while
-    # ignore_eos=True lets minillm emit it like any other token.
-    hf.generation_config.eos_token_id = None
-    hf.save_pretrained(tmp_path)
+@pytest.mark.parametrize("case", ["llama-gqa-tied", "llama3-rope-scaling", "qwen2-qkv-bias"])
+def test_equals_transformers_generate_with_cache(case, tmp_path):
+    hf = build_hf(case, tmp_path)
     ours = load_model(tmp_path)
     prompts = [[5, 17, 3, 42, 8], [9, 1, 60]]
     for p in prompts:  # transformers' batched generate left-pads; compare one by one
-        expected = hf.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=32,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=0,
-        )[0, len(p) :].tolist()
-        assert generate(ours, [p], greedy(32))[0] == expected
+        assert generate(ours, [p], greedy(32))[0] == hf_greedy(hf, p, 32, use_cache=True)
     batched = generate(ours, prompts, greedy(32))
     assert batched == [generate(ours, [p], greedy(32))[0] for p in prompts]
 
