@@ -69,43 +69,66 @@ def _sample_rows(
     return torch.cat([sample(logits[b : b + 1], params, g) for b, g in enumerate(generators)])
 
 
-@torch.inference_mode()
-def generate(
-    model: Transformer, prompts: list[list[int]], params: SamplingParams
-) -> list[list[int]]:
-    """Generated ids for each prompt (prompts may differ in length), with a KV cache.
-
-    Prefill: the prompts, right-padded into one batch, go through the model once and fill
-    the cache. Decode: each step feeds one new token per sequence at its own position.
-    """
-    device = model.lm_head.weight.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
+def prefill(
+    model: Transformer, prompts: list[list[int]], max_tokens: int
+) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """Run the prompts, right-padded into one batch, through the model once, filling a new
+    cache of longest + max_tokens slots. Returns (cache, each row's last logits [B, vocab],
+    each row's length [B]: where its next token goes); cache.kv_len = longest prompt."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     for p in prompts:
-        check_length(model, len(p), params.max_tokens)
+        check_length(model, len(p), max_tokens)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
     batch, longest = len(prompts), int(lengths.max())
-    cache = KVCache(
-        model.config, batch, longest + params.max_tokens, model.lm_head.weight.dtype, device
-    )
+    cache = KVCache(model.config, batch, longest + max_tokens, dtype, device)
     ids = torch.zeros(batch, longest, dtype=torch.long, device=device)  # padding: any id
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
+    cache.kv_len = longest  # prefill reads only the prompt slots
+    logits = model(ids, cache=cache)[torch.arange(batch, device=device), lengths - 1]
+    return cache, logits, lengths
 
-    cache.kv_len = longest
-    logits = model(ids, cache=cache)  # prefill: all prompt tokens in one forward
-    logits = logits[torch.arange(batch, device=device), lengths - 1]  # each row's last token
-    generators = [make_generator(params.seed, device) for _ in prompts]
-    stops, out = stop_ids(model, params), [[] for _ in prompts]
-    done = [False] * batch
-    positions = lengths.clone()  # where each sequence's next token goes
-    for step in range(params.max_tokens):
+
+def eager_decode_step(
+    model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Logits [B, vocab] for one new token per row (tokens, positions [B, 1]). The longest
+    row grows by one slot per step, and attention reads only the slots filled so far."""
+    cache.kv_len += 1
+    return model(tokens, positions, cache=cache)[:, -1]
+
+
+def decode(
+    model: Transformer,
+    cache: KVCache,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    params: SamplingParams,
+    step: Callable[[Transformer, KVCache, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[list[int]]:
+    """Sample from `logits`, feed the tokens through `step`, repeat: each row stops at its
+    EOS / stop token or after max_tokens (finished rows ride along, their tokens unused)."""
+    generators = [make_generator(params.seed, positions.device) for _ in range(len(positions))]
+    stops, out = stop_ids(model, params), [[] for _ in range(len(positions))]
+    done = [False] * len(positions)
+    for i in range(params.max_tokens):
         tokens = _sample_rows(logits, params, generators)
         for b, token in enumerate(tokens.tolist()):
             if not done[b]:
                 out[b].append(token)
                 done[b] = token in stops
-        if all(done) or step == params.max_tokens - 1:
+        if all(done) or i == params.max_tokens - 1:
             break
-        cache.kv_len = longest + step + 1  # slots filled so far, in the longest row
-        logits = model(tokens[:, None], positions[:, None], cache=cache)[:, -1]  # decode
-        positions += 1
+        logits = step(model, cache, tokens[:, None], positions[:, None])
+        positions = positions + 1  # a new tensor: a compiled step may hold the old one
     return out
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """Generated ids for each prompt (prompts may differ in length), with a KV cache:
+    one prefill forward for all prompts, then one decode forward per new token."""
+    cache, logits, positions = prefill(model, prompts, params.max_tokens)
+    return decode(model, cache, logits, positions, params, eager_decode_step)

@@ -111,3 +111,4 @@ def pytest_runtest_call(item: pytest.Item):
 
 # One line per chapter: the fixture the chapter's tests take as an argument.
 ch01 = impl_module("ch01_basics")
+ch02 = impl_module("ch02_kv_cache")

@@ -1,0 +1,119 @@
+"""torch.compile (inductor, default mode) vs eager for the fixed-shape decode step.
+
+    python benchmarks/compile.py [--threads N] [--tokens 32] [--repeats 30] [--warm-cache]
+
+Model: the bundled checkpoint (4 layers, d128, vocab 4096), the model every chapter uses.
+At this size one decode step is ~100 small ops, each a few microseconds of arithmetic,
+so its time is mostly per-op overhead (Python, dispatch, allocation): the regime where
+a compiler that fuses ops and drops the Python layer pays off on a CPU. A model whose
+matmuls dominate (hundreds of MB of weights) would gain far less: its time is memory
+traffic that no fusion removes. The script measures the split (profile_split) so the
+ratio can be read against it.
+
+Per batch size (1 and 8): compile time (wall time of the first compiled call, cold
+inductor cache unless --warm-cache), then the step's speed ratio eager/compiled, timed
+A/B interleaved (`minillm.measure.time_ratios`), then end to end: `generate` (chapter 02,
+kv_len shrinking) vs `generate_static` eager and compiled, same prompts and max_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from minillm import SamplingParams, generate, load_model  # noqa: E402
+from minillm.decode_step import (  # noqa: E402
+    CompileCounter,
+    compile_decode_step,
+    decode_step,
+    generate_static,
+)
+from minillm.generate import prefill  # noqa: E402
+from minillm.measure import profile_split, time_ratios  # noqa: E402
+
+PROMPT_LEN = 16
+
+
+def bench_batch(model, batch: int, tokens: int, repeats: int) -> dict[str, float]:
+    prompts = [[(7 * b + 3 * i) % 4000 + 10 for i in range(PROMPT_LEN)] for b in range(batch)]
+    torch._dynamo.reset()
+    counter = CompileCounter("inductor")
+    compiled = compile_decode_step("default", backend=counter)
+    with torch.inference_mode():
+        cache, logits, pos = prefill(model, prompts, tokens)
+        cache.kv_len = cache.max_len  # the static step's fixed shapes
+        tok, at = logits.argmax(-1)[:, None], pos[:, None]
+        t0 = time.perf_counter()
+        compiled(model, cache, tok, at)
+        compile_s = time.perf_counter() - t0
+        # The same step (same slot, same inputs) over and over: a fixed amount of work.
+        step = {
+            "eager": lambda: decode_step(model, cache, tok, at),
+            "compiled": lambda: compiled(model, cache, tok, at),
+        }
+        step_ratio = time_ratios(step, baseline="compiled", repeats=repeats, warmup=3)["eager"]
+        split = profile_split(step["eager"], repeats=10)
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        e2e = {
+            "generate": lambda: generate(model, prompts, params),
+            "static_eager": lambda: generate_static(model, prompts, params, compiled=False),
+            "static_compiled": lambda: generate_static(model, prompts, params, compiled=compiled),
+        }
+        same = e2e["static_compiled"]() == e2e["generate"]()
+        e2e_ratio = time_ratios(e2e, baseline="static_compiled", repeats=max(repeats // 20, 5))
+    print(
+        f"batch {batch}: compile {compile_s:.1f} s ({counter.graphs} graph), "
+        f"step eager/compiled {step_ratio:.2f}x; eager step {split.wall_s * 1e3:.2f} ms, "
+        f"{split.kernel_fraction:.0%} in compute kernels, {split.ops:.0f} aten ops"
+    )
+    print(
+        f"batch {batch}: {tokens} tokens end to end, time / compiled static: "
+        f"generate {e2e_ratio['generate']:.2f}x, static eager {e2e_ratio['static_eager']:.2f}x"
+        f"; compiled tokens == generate: {same}"
+    )
+    assert counter.graphs == 1, "the static step recompiled"
+    return {
+        "compile_s": compile_s,
+        "step": step_ratio,
+        "e2e": e2e_ratio["generate"],
+        "kernel": split.kernel_fraction,
+        "same": same,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=32, help="max_tokens per generation")
+    ap.add_argument("--repeats", type=int, default=200, help="timed rounds per step pair")
+    ap.add_argument("--warm-cache", action="store_true", help="let inductor reuse its disk cache")
+    args = ap.parse_args()
+    # Inductor keeps compiled kernels on disk; without this a rerun's "compile time"
+    # would be a cache lookup.
+    torch.compiler.config.force_disable_caches = not args.warm_cache
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = load_model().eval()
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), bundled model "
+        f"{model.num_parameters() / 1e6:.1f}M params, prompt {PROMPT_LEN}, {args.tokens} tokens"
+    )
+    r = {b: bench_batch(model, b, args.tokens, args.repeats) for b in (1, 8)}
+    print(
+        f"SUMMARY compile: step eager/compiled {r[1]['step']:.2f}x at batch 1, "
+        f"{r[8]['step']:.2f}x at batch 8 (goal >= 1.5x at batch 1: "
+        f"{'met' if r[1]['step'] >= 1.5 else 'NOT met'}); generate/compiled end to end "
+        f"{r[1]['e2e']:.2f}x b1, {r[8]['e2e']:.2f}x b8; compile {r[1]['compile_s']:.0f} s b1, "
+        f"{r[8]['compile_s']:.0f} s b8; eager step {r[1]['kernel']:.0%} compute at b1; "
+        f"{args.threads} thread(s); tokens equal: {r[1]['same'] and r[8]['same']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The fixed-shape decode step: same tokens and logits as `generate`, one graph, no
+recompiles. Graph capture is checked with cheap backends ("eager", "aot_eager"); the one
+real inductor compile (~40 s on a 2-core CPU) is marked slow."""
+
+import pytest
+import torch
+
+from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
+from minillm.decode_step import (
+    CompileCounter,
+    compile_decode_step,
+    decode_step,
+    explain_step,
+    generate_static,
+    naive_decode_step,
+)
+from minillm.generate import prefill
+from minillm.model import ModelConfig, Transformer
+
+TEXTS = ["In the beginning", "And the LORD said unto Moses, Speak unto", "Blessed"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer()
+    return [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """2 layers, dim 64: capture and compile take the least time."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return Transformer(cfg).eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # each test counts its own compiles
+    yield
+    torch._dynamo.reset()
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@torch.inference_mode()
+def cached_logits(model, prompts, steps):
+    """Greedy decode the chapter-02 way (kv_len = slots filled so far): each step's
+    logits [B, vocab]."""
+    cache, logits, pos = prefill(model, prompts, steps)
+    longest, out = max(len(p) for p in prompts), []
+    for i in range(steps):
+        cache.kv_len = longest + i + 1
+        logits = model(logits.argmax(-1)[:, None], pos[:, None], cache=cache)[:, -1]
+        out.append(logits)
+        pos = pos + 1
+    return out
+
+
+def static_prefill(model, prompts, steps):
+    """prefill, then the fixed shapes the static step needs: attend over every slot."""
+    cache, logits, pos = prefill(model, prompts, steps)
+    cache.kv_len = cache.max_len
+    return cache, logits, pos
+
+
+@torch.inference_mode()
+def static_logits(model, prompts, steps, step):
+    """The same decode with `step` over the full buffer (kv_len = max_len throughout)."""
+    cache, logits, pos = static_prefill(model, prompts, steps)
+    out = []
+    for _ in range(steps):
+        assert cache.kv_len == cache.max_len
+        logits = step(model, cache, logits.argmax(-1)[:, None], pos[:, None])
+        out.append(logits.clone())
+        pos = pos + 1
+    return out
+
+
+def test_eager_static_step_tokens_equal_generate_and_naive(model, prompts):
+    for p in prompts:  # batch 1
+        expected = generate_naive(model, p, greedy(24))
+        assert generate_static(model, [p], greedy(24), compiled=False) == [expected]
+        assert generate(model, [p], greedy(24)) == [expected]
+    assert generate_static(model, prompts, greedy(24), compiled=False) == generate(
+        model, prompts, greedy(24)
+    )  # batch 3, three prompt lengths
+
+
+def test_compiled_step_matches_cached_logits_with_one_graph(model, prompts):
+    """aot_eager: dynamo capture + functionalization (the cache writes become graph
+    outputs copied back), no code generation. 12 steps, batch 1 and batch 3."""
+    for batch in ([prompts[1]], prompts):
+        torch._dynamo.reset()
+        counter = CompileCounter("aot_eager")
+        step = compile_decode_step(backend=counter)
+        got = static_logits(model, batch, 12, step)
+        for a, b in zip(got, cached_logits(model, batch, 12), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        assert counter.graphs == 1  # compiled at the first step, reused for the other 11
+        assert generate_static(model, batch, greedy(12), compiled=step) == generate(
+            model, batch, greedy(12)
+        )
+        assert counter.graphs == 1  # a second generation: still no recompile
+
+
+def test_explain_static_one_graph_naive_breaks(tiny):
+    with torch.inference_mode():
+        cache, logits, pos = static_prefill(tiny, [[1, 2, 3], [4, 5, 6, 7, 8]], 8)
+        tokens = logits.argmax(-1)[:, None]
+        static = explain_step(decode_step, tiny, cache, tokens, pos[:, None])
+        naive = explain_step(naive_decode_step, tiny, cache, tokens, pos[:, None])
+    assert (static.graph_count, static.graph_break_count) == (1, 0)
+    assert naive.graph_break_count == 1  # int(positions.max()): a tensor read into Python
+    assert "item()" in naive.break_reasons[0]
+
+
+def test_fullgraph_refuses_the_naive_step(tiny):
+    """With fullgraph=True a graph break is an error, not a silent split. (Dynamo may
+    first try to trace int(positions.max()) as a data-dependent size and fail there.)"""
+    step = compile_decode_step(backend="eager", step=naive_decode_step)
+    with torch.inference_mode(), pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        cache, logits, pos = prefill(tiny, [[1, 2, 3]], 4)
+        step(tiny, cache, logits.argmax(-1)[:, None], pos[:, None])
+
+
+@pytest.mark.parametrize("dynamic, graphs", [(False, 8), (None, 2)])
+def test_shrinking_kv_len_recompiles(tiny, dynamic, graphs):
+    """generate's kv_len = slots filled: a new shape each step. dynamic=False: one graph
+    per length; dynamic=None (torch's default): the second length triggers one
+    dynamic-shape recompile. The static step: one graph (test above)."""
+    counter = CompileCounter("eager")
+    step = compile_decode_step(backend=counter, dynamic=dynamic)
+    with torch.inference_mode():
+        cache, logits, pos = prefill(tiny, [[1, 2, 3], [4, 5, 6, 7, 8]], 8)
+        for _ in range(8):
+            cache.kv_len = int(pos.max()) + 1
+            logits = step(tiny, cache, logits.argmax(-1)[:, None], pos[:, None])
+            pos = pos + 1
+    assert counter.graphs == graphs
+
+
+@pytest.mark.slow
+def test_inductor_step_matches_eager(tiny):
+    """One real compile (inductor, default mode), batch 3 of different lengths."""
+    prompts, counter = [[5, 17, 3, 42, 8], [9, 1, 60], [7]], CompileCounter("inductor")
+    step = compile_decode_step(backend=counter)
+    got = static_logits(tiny, prompts, 10, step)
+    for a, b in zip(got, static_logits(tiny, prompts, 10, decode_step), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    tokens = generate_static(tiny, prompts, greedy(10), compiled=step)
+    assert tokens == generate(tiny, prompts, greedy(10))
+    assert tokens[1] == generate_naive(tiny, prompts[1], greedy(10))
+    assert counter.graphs == 1
