@@ -4,8 +4,9 @@ real inductor compile (~40 s on a 2-core CPU) is marked slow."""
 
 import pytest
 import torch
+from helpers import greedy
 
-from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
+from minillm import generate, generate_naive
 from minillm.decode_step import (
     CompileCounter,
     compile_decode_step,
@@ -17,18 +18,15 @@ from minillm.decode_step import (
 from minillm.generate import prefill
 from minillm.model import ModelConfig, Transformer
 
-TEXTS = ["In the beginning", "And the LORD said unto Moses, Speak unto", "Blessed"]
+
+@pytest.fixture
+def model(bundled_model):
+    return bundled_model
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    tok = load_tokenizer()
-    return [tok.encode(t) for t in TEXTS]
+@pytest.fixture
+def prompts(bundled_prompts):
+    return bundled_prompts
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +45,6 @@ def fresh_dynamo():
     torch._dynamo.reset()  # each test counts its own compiles
     yield
     torch._dynamo.reset()
-
-
-def greedy(n):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 @torch.inference_mode()

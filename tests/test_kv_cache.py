@@ -2,28 +2,22 @@
 
 import pytest
 import torch
+from helpers import greedy
 from hf_reference import build_hf, hf_greedy
 
-from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
+from minillm import SamplingParams, generate, generate_naive, load_model
 from minillm.kv_cache import KVCache
 from minillm.model import ModelConfig, Transformer
 
-PROMPTS = ["In the beginning", "And the LORD said unto Moses, Speak unto", "Blessed"]
+
+@pytest.fixture
+def model(bundled_model):
+    return bundled_model
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    tok = load_tokenizer()
-    return [tok.encode(p) for p in PROMPTS]
-
-
-def greedy(n, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+@pytest.fixture
+def prompts(bundled_prompts):
+    return bundled_prompts
 
 
 def test_cached_greedy_equals_naive_greedy(model, prompts):
