@@ -9,12 +9,13 @@ PROMPTS = ["In the beginning", "And the LORD said unto Moses, Speak unto", "Bles
 
 
 @pytest.fixture(scope="session")
-def bundled_model():
-    """The bundled model, loaded once (tests only read it)."""
+def model():
+    """The bundled model, loaded once (tests only read it; a test file may override
+    `model` with a model of its own)."""
     return load_model()
 
 
 @pytest.fixture(scope="session")
-def bundled_prompts():
+def prompts():
     tok = load_tokenizer()
     return [tok.encode(p) for p in PROMPTS]

@@ -10,16 +10,11 @@ import pytest
 import torch
 import transformers
 
-from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_model, load_tokenizer
+from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_tokenizer
 from minillm.data import encode_corpus, load_kjv, split_corpus
 from minillm.evaluate import perplexity
 
 PROMPT = "In the beginning God created"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model()
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,6 @@ from minillm.generate import prefill
 from minillm.model import ModelConfig, Transformer
 
 
-@pytest.fixture
-def model(bundled_model):
-    return bundled_model
-
-
-@pytest.fixture
-def prompts(bundled_prompts):
-    return bundled_prompts
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """2 layers, dim 64: capture and compile take the least time."""

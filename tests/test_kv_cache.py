@@ -10,16 +10,6 @@ from minillm.kv_cache import KVCache
 from minillm.model import ModelConfig, Transformer
 
 
-@pytest.fixture
-def model(bundled_model):
-    return bundled_model
-
-
-@pytest.fixture
-def prompts(bundled_prompts):
-    return bundled_prompts
-
-
 def test_cached_greedy_equals_naive_greedy(model, prompts):
     for p in prompts:
         assert generate(model, [p], greedy(40)) == [generate_naive(model, p, greedy(40))]
