@@ -11,8 +11,7 @@ import torch
 import transformers
 
 from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_tokenizer
-from minillm.data import encode_corpus, load_kjv, split_corpus
-from minillm.evaluate import perplexity
+from minillm.evaluate import held_out_ids, next_token_agreement, perplexity
 
 PROMPT = "In the beginning God created"
 
@@ -49,11 +48,22 @@ def test_loads_in_transformers_with_same_logits_and_tokens(model, tokenizer):
 
 def test_held_out_perplexity_shows_a_trained_model(model, tokenizer):
     card = json.loads((BUNDLED_DIR / "train_metrics.json").read_text())
-    _, held_out = split_corpus(load_kjv())
-    ids = encode_corpus(tokenizer.tok, held_out)
+    ids = held_out_ids(tokenizer)
     ppl = perplexity(model, ids, window=model.config.max_position_embeddings)
     assert ppl == pytest.approx(card["val_perplexity"], rel=1e-3)  # the card tells the truth
     assert ppl < 40  # uniform guessing over 4096 tokens would be 4096
+
+
+def test_scores_take_any_logits_function_and_agreement_sees_a_change(model, tokenizer):
+    ids = held_out_ids(tokenizer)[:2000]
+    window = 64
+    as_function = perplexity(lambda x: model(x), ids, window=window, max_windows=8)
+    assert as_function == pytest.approx(perplexity(model, ids, window=window, max_windows=8))
+    assert next_token_agreement(model, model, ids, window=window, max_windows=4) == 1.0
+    shuffled = lambda x: model(x)[..., torch.randperm(model.config.vocab_size)]  # noqa: E731
+    assert next_token_agreement(model, shuffled, ids, window=window, max_windows=4) < 0.05
+    with pytest.raises(ValueError, match="more than 64 tokens"):
+        perplexity(model, ids[:64], window=window)
 
 
 def test_greedy_generation_is_scripture_like(model, tokenizer):

@@ -112,3 +112,7 @@ def pytest_runtest_call(item: pytest.Item):
 # One line per chapter: the fixture the chapter's tests take as an argument.
 ch01 = impl_module("ch01_basics")
 ch02 = impl_module("ch02_kv_cache")
+ch03 = impl_module("ch03_onnx")
+ch04 = impl_module("ch04_tensorrt")
+ch06 = impl_module("ch06_quantization")
+ch07 = impl_module("ch07_paged_attention")
