@@ -27,7 +27,7 @@ def held_out_ids(tokenizer: Tokenizer) -> torch.Tensor:
 
 def _windows(ids: torch.Tensor, window: int, max_windows: int | None) -> tuple[torch.Tensor, ...]:
     n = (len(ids) - 1) // window
-    if n == 0:
+    if n <= 0:
         raise ValueError(f"need more than {window} tokens to score one window, got {len(ids)}")
     n = n if max_windows is None else min(n, max_windows)
     return ids[: n * window].view(n, window), ids[1 : n * window + 1].view(n, window)

@@ -60,10 +60,15 @@ def sample(
     """Next token ids [B] from last-position logits [B, vocab]."""
     if params.greedy:
         return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from: temperature, then top-k, then top-p (fp32)."""
+    if params.greedy:
+        raise ValueError("greedy sampling (temperature=0) has no distribution: use argmax")
     logits = logits.float() / params.temperature
-    logits = top_p_filter(top_k_filter(logits, params.top_k), params.top_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return top_p_filter(top_k_filter(logits, params.top_k), params.top_p).softmax(dim=-1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

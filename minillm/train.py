@@ -1,8 +1,11 @@
 """Train the course's bundled model: a small Llama on the King James Bible, on a CPU.
 
     python -m minillm.train --out minillm/bundled --steps 3000
+    python -m minillm.train --out minillm/bundled_draft --tokenizer minillm/bundled \
+        --dim 64 --layers 2 --heads 2 --kv-heads 1 --steps 2000      # chapter 10's draft
 
-Trains a byte-level BPE tokenizer, then the model (AdamW, warm-up then cosine
+Trains a byte-level BPE tokenizer (or reuses another model's, so that a draft model
+shares its target's vocabulary), then the model (AdamW, warm-up then cosine
 decay), measures held-out perplexity and writes an HF-format checkpoint with a
 model card. The course ships the result so nothing is downloaded.
 """
@@ -45,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", type=Path, default=None, help="reuse this model dir's tokenizer")
     p.add_argument("--max-verses", type=int, default=None, help="train on a slice (tests)")
     return p.parse_args(argv)
 
@@ -65,7 +69,10 @@ def train(args: argparse.Namespace) -> dict:
     train_text, val_text = data.split_corpus(lines)
 
     t0 = time.perf_counter()
-    tok = data.train_tokenizer(train_text, vocab_size=args.vocab_size)
+    if args.tokenizer is None:
+        tok = data.train_tokenizer(train_text, vocab_size=args.vocab_size)
+    else:  # a draft model must share its target's token ids
+        tok = Tokenizer(args.tokenizer).tok
     data.save_tokenizer(tok, args.out, model_max_length=args.seq_len)
     tokenizer = Tokenizer(args.out)
     train_ids = data.encode_corpus(tok, train_text)

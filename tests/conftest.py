@@ -1,8 +1,13 @@
 """Fixtures shared by the package tests."""
 
 import pytest
+import torch
 
 from minillm import load_model, load_tokenizer
+
+# Tiny models on a shared 2-core machine: a second intra-op thread costs more in waiting
+# than it saves (4x slower under load, measured), and timings are not what tests check.
+torch.set_num_threads(1)
 
 # Three prompts of different lengths (3, 9 and 2 tokens with the bundled tokenizer).
 PROMPTS = ["In the beginning", "And the LORD said unto Moses, Speak unto", "Blessed"]
