@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
 from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer  # noqa: E402
+from minillm.configs import SMOLLM2_135M, random_model  # noqa: E402
 from minillm.kv_cache import KVCache  # noqa: E402
 from minillm.measure import (  # noqa: E402
     format_bytes,
@@ -59,20 +60,6 @@ from minillm.weights import BUNDLED_DIR, load_config  # noqa: E402
 SEED = 0
 PROMPT = "And the LORD said unto Moses, Speak unto"
 
-# HuggingFaceTB/SmolLM2-135M config.json: the fields that set the shapes.
-SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "rope_theta": 100000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-}
 # Attention shapes only (layers, query heads, kv heads, head_dim): enough for KV bytes.
 KV_SHAPES = {
     "SmolLM2-135M": (30, 9, 3, 64),
@@ -82,14 +69,6 @@ KV_SHAPES = {
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def random_model(cfg: ModelConfig | dict[str, Any], seed: int = SEED) -> Transformer:
-    """A Transformer with `cfg`'s shapes and random weights, in eval mode."""
-    if isinstance(cfg, dict):
-        cfg = ModelConfig.from_hf(cfg)
-    torch.manual_seed(seed)
-    return Transformer(cfg).eval()
 
 
 def long_context_model(max_len: int = 2048, seed: int = SEED) -> Transformer:

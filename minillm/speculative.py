@@ -168,3 +168,16 @@ def speculative_generate(
         tgt.keep(len(tokens) - 1)  # every cache holds all committed tokens but the last
         drf.keep(len(tokens) - 1)
     return out, stats
+
+
+def predicted_speedup(acceptance: float, k: int, draft_cost: float) -> float:
+    """Speed-up over plain decoding in Leviathan et al.'s cost model: a round yields
+    (1 - a^(k+1)) / (1 - a) tokens for k draft forwards (cost c each, in target forwards)
+    and one target forward over k + 1 tokens (cost 1: decode reads weights, not FLOPs)."""
+    if not 0 <= acceptance <= 1 or k < 0 or draft_cost < 0:
+        raise ValueError(
+            f"need 0 <= acceptance <= 1, k >= 0, draft_cost >= 0: got "
+            f"{acceptance}, {k}, {draft_cost}"
+        )
+    tokens = k + 1 if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+    return tokens / (k * draft_cost + 1)

@@ -16,6 +16,8 @@ from minillm.model import ModelConfig, Transformer, rope_inv_freq
 from minillm.tokenizer import Tokenizer
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
+# A smaller model with the same tokenizer: the draft for speculative decoding (chapter 10).
+BUNDLED_DRAFT_DIR = Path(__file__).parent / "bundled_draft"
 _HUB_FILES = ["*.json", "*.safetensors"]
 
 
