@@ -1,0 +1,185 @@
+"""Chapter 07 exercises, graded against minillm.paged.
+
+`ch07` is the module under test (solutions/ by default, exercises/ with
+MINILLM_IMPL=exercises). Test names start with `test_ch07_<exercise>`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minillm.paged import BlockManager, OutOfBlocks
+from minillm.paged import gather_kv as minillm_gather_kv
+
+
+def raises_runtime_error(fn, *args) -> None:
+    """fn(*args) raises RuntimeError (NotImplementedError, a subclass, does not count)."""
+    with pytest.raises(RuntimeError) as e:
+        fn(*args)
+    if isinstance(e.value, NotImplementedError):
+        raise e.value
+
+
+# --- block_hash -----------------------------------------------------------------------------
+
+
+def test_ch07_block_hash_is_deterministic_and_takes_lists_or_tuples(ch07):
+    assert ch07.block_hash(None, [1, 2, 3]) == ch07.block_hash(None, (1, 2, 3))
+    h = ch07.block_hash(None, [1, 2])
+    assert isinstance(h, int)
+    assert ch07.block_hash(h, [3, 4]) == ch07.block_hash(ch07.block_hash(None, (1, 2)), (3, 4))
+
+
+def test_ch07_block_hash_depends_on_the_tokens_and_the_prefix(ch07):
+    a, b = ch07.block_hash(None, [1, 2]), ch07.block_hash(None, [9, 9])
+    assert a != b, "different tokens, same hash"
+    assert ch07.block_hash(a, [3, 4]) != ch07.block_hash(b, [3, 4]), (
+        "block [3, 4] after [1, 2] and after [9, 9] got the same hash: chain prev_hash in"
+    )
+    assert ch07.block_hash(None, [1, 2]) != ch07.block_hash(None, [2, 1]), "order matters"
+
+
+# --- prefix_block_hashes --------------------------------------------------------------------
+
+
+def test_ch07_prefix_block_hashes_one_per_full_block_chained(ch07):
+    tokens = [5, 6, 7, 8, 9]
+    hashes = ch07.prefix_block_hashes(tokens, 2)
+    assert len(hashes) == 2, f"{len(hashes)} hashes for 2 full blocks (and a partial one)"
+    h0 = ch07.block_hash(None, [5, 6])
+    assert hashes == [h0, ch07.block_hash(h0, [7, 8])]
+    assert ch07.prefix_block_hashes([1, 2, 3], 4) == []
+
+
+def test_ch07_prefix_block_hashes_share_exactly_the_common_full_blocks(ch07):
+    rng = random.Random(0)
+    for _ in range(50):
+        bs = rng.choice([2, 3, 4])
+        common = [rng.randrange(5) for _ in range(rng.randrange(12))]
+        a = common + [7] + [rng.randrange(5) for _ in range(rng.randrange(8))]
+        b = common + [8] + [rng.randrange(5) for _ in range(rng.randrange(8))]
+        ha, hb = ch07.prefix_block_hashes(a, bs), ch07.prefix_block_hashes(b, bs)
+        same = len(common) // bs  # blocks entirely inside the common prefix
+        assert ha[:same] == hb[:same]
+        assert all(x != y for x, y in zip(ha[same:], hb[same:], strict=False))
+
+
+def test_ch07_prefix_block_hashes_find_what_minillm_finds(ch07):
+    """The number of leading full blocks a second prompt shares with a first one (by your
+    hashes) equals the number of prefix-cache hits minillm's BlockManager reports."""
+    rng = random.Random(1)
+    for _ in range(30):
+        bs = rng.choice([2, 4])
+        first = [rng.randrange(3) for _ in range(rng.randrange(1, 16))]
+        second = first[: rng.randrange(len(first) + 1)] + [rng.randrange(3) for _ in range(5)]
+        m = BlockManager(32, bs)
+        m.allocate(0, first)
+        hits = m.allocate(1, second) // bs
+        known = set(ch07.prefix_block_hashes(first, bs))
+        mine = 0
+        for h in ch07.prefix_block_hashes(second[: len(second) - 1], bs):  # last token: computed
+            if h not in known:
+                break
+            mine += 1
+        assert mine == hits
+
+
+# --- cow_append -----------------------------------------------------------------------------
+
+
+def test_ch07_cow_append_fills_a_block_then_opens_the_next(ch07):
+    table, refs, free = [], [0] * 4, [2, 0, 1, 3]
+    slots = [ch07.cow_append(table, n, refs, free, 2) for n in range(5)]
+    assert slots == [(4, None), (5, None), (0, None), (1, None), (2, None)]
+    assert table == [2, 0, 1] and refs == [1, 1, 1, 0] and free == [3]
+
+
+def test_ch07_cow_append_copies_a_shared_last_block_once(ch07):
+    refs, free = [0] * 6, [3, 4, 5]
+    parent = []
+    for n in range(3):  # 3 tokens in blocks of 2: one full block and one half block
+        ch07.cow_append(parent, n, refs, free, 2)
+    child = list(parent)  # fork
+    for b in parent:
+        refs[b] += 1
+    slot, copy = ch07.cow_append(child, 3, refs, free, 2)
+    assert copy == (4, 5), "the shared half block must be copied before the write"
+    assert child == [3, 5] and slot == 5 * 2 + 1
+    assert refs[3] == 2 and refs[4] == 1 and refs[5] == 1
+    slot, copy = ch07.cow_append(parent, 3, refs, free, 2)
+    assert copy is None and slot == 4 * 2 + 1, "the parent is now the only owner"
+
+
+def test_ch07_cow_append_full_shared_block_needs_no_copy(ch07):
+    refs, free = [0, 2, 0], [2]
+    table = [1]  # one full block of 2, shared with another sequence
+    slot, copy = ch07.cow_append(table, 2, refs, free, 2)
+    assert copy is None and table == [1, 2] and slot == 4 and refs == [0, 2, 1]
+
+
+def test_ch07_cow_append_out_of_blocks_changes_nothing(ch07):
+    table, refs, free = [0], [2], []
+    raises_runtime_error(ch07.cow_append, table, 1, refs, free, 4)  # shared: needs a copy
+    assert (table, refs, free) == ([0], [2], [])
+    raises_runtime_error(ch07.cow_append, table, 4, refs, free, 4)  # full: needs a new block
+    assert (table, refs, free) == ([0], [2], [])
+
+
+def test_ch07_cow_append_agrees_with_minillm_under_random_forks(ch07):
+    rng = random.Random(2)
+    bs, n_blocks = 3, 30
+    m = BlockManager(n_blocks, bs, prefix_cache=False)
+    refs, free = [0] * n_blocks, list(range(n_blocks))
+    tables: dict[int, list[int]] = {}
+    lengths: dict[int, int] = {}
+    next_id = 0
+    for _ in range(150):
+        if not tables or rng.random() < 0.15:  # a fork (or the first sequence)
+            if tables:
+                parent = rng.choice(sorted(tables))
+                m.fork(parent, next_id)
+                tables[next_id], lengths[next_id] = list(tables[parent]), lengths[parent]
+                for b in tables[next_id]:
+                    refs[b] += 1
+            else:
+                m.allocate(next_id, [1])
+                tables[next_id], lengths[next_id] = [], 0
+                ch07.cow_append(tables[next_id], 0, refs, free, bs)
+                lengths[next_id] = 1
+            next_id += 1
+            continue
+        seq = rng.choice(sorted(tables))
+        try:
+            slot, copy = m.append_slot(seq, 0)
+        except OutOfBlocks:  # the pool ran dry: the exercise must refuse too
+            raises_runtime_error(ch07.cow_append, tables[seq], lengths[seq], refs, free, bs)
+            continue
+        mine = ch07.cow_append(tables[seq], lengths[seq], refs, free, bs)
+        lengths[seq] += 1
+        assert mine == (slot, copy)
+        assert tables[seq] == m.block_table(seq)
+    assert refs == [b.ref_count for b in m.blocks]
+
+
+# --- gather_kv ------------------------------------------------------------------------------
+
+
+def test_ch07_gather_kv_reads_through_the_table(ch07):
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(10, 4, 2, 3, generator=g)  # 10 blocks of 4 slots, 2 kv heads, d 3
+    table = [7, 2, 9]
+    for length in (1, 4, 5, 11, 12):
+        out = ch07.gather_kv(pool, table, length)
+        assert out.shape == (2, length, 3)
+        dense = minillm_gather_kv(pool, torch.tensor([table]))[0, :, :length]
+        torch.testing.assert_close(out, dense)
+    torch.testing.assert_close(ch07.gather_kv(pool, table, 6)[:, 5], pool[2, 1])
+
+
+def test_ch07_gather_kv_rejects_a_short_table(ch07):
+    pool = torch.zeros(4, 4, 1, 2)
+    with pytest.raises(ValueError, match="block"):
+        ch07.gather_kv(pool, [0, 1], 9)

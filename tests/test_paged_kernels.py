@@ -1,0 +1,185 @@
+"""Triton paged decode and flash prefill against dense attention (torch SDPA), fp32.
+
+Run on CPU with TRITON_INTERPRET=1 (the Makefile's test target sets it); skipped with the
+reason when Triton can run neither on a GPU nor in the interpreter. Shapes stay small:
+the interpreter executes every program instance in Python.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.kernels import triton_status
+
+OK, HOW = triton_status()
+pytestmark = pytest.mark.skipif(not OK, reason=f"Triton unavailable: {HOW}")
+DEVICE = "cuda" if HOW == "cuda" else "cpu"
+ATOL = 1e-5
+
+
+def paged_case(lens, heads, kv_heads, head_dim, block_size, seed=0):
+    """Random K/V for sequences of `lens` tokens, scattered over a shuffled pool, plus
+    the same K/V laid out densely [B, kv_heads, S, D] for SDPA."""
+    g = torch.Generator().manual_seed(seed)
+    B, S = len(lens), max(lens)
+    k = torch.randn(B, kv_heads, S, head_dim, generator=g)
+    v = torch.randn(B, kv_heads, S, head_dim, generator=g)
+    q = torch.randn(B, heads, head_dim, generator=g)
+    width = -(-S // block_size)
+    num_blocks = B * width + 3  # spare blocks: the tables must be honoured, not assumed
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[: B * width].view(B, width)
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)  # junk
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            blk, off = tables[b, t // block_size], t % block_size
+            k_pool[blk, off], v_pool[blk, off] = k[b, :, t], v[b, :, t]
+    lens_t = torch.tensor(lens)
+    to = [x.to(DEVICE) for x in (q, k_pool, v_pool, tables, lens_t, k, v)]
+    return to
+
+
+def dense_decode(q, k, v, lens):
+    """SDPA of each sequence's one query over its first lens[b] keys."""
+    mask = torch.arange(k.shape[2], device=k.device) < lens[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=mask[:, None, None], enable_gqa=True
+    )
+    return out[:, :, 0]
+
+
+@pytest.mark.parametrize(
+    "lens, heads, kv_heads, head_dim, block_size",
+    [
+        ([1, 7, 8, 9], 4, 2, 16, 8),  # around one block boundary, GQA 2
+        ([33, 5, 16], 6, 2, 8, 16),  # odd lengths, GQA 3 (a group that is no power of 2)
+        ([17, 31], 8, 1, 32, 4),  # multi-query attention, many small blocks
+        ([3, 40], 2, 2, 24, 32),  # multi-head, head_dim not a power of two
+    ],
+)
+def test_paged_decode_matches_sdpa(lens, heads, kv_heads, head_dim, block_size):
+    from minillm.kernels.paged_attention import paged_attention, paged_attention_ref
+
+    q, k_pool, v_pool, tables, lens_t, k, v = paged_case(
+        lens, heads, kv_heads, head_dim, block_size
+    )
+    expected = dense_decode(q, k, v, lens_t)
+    torch.testing.assert_close(
+        paged_attention_ref(q, k_pool, v_pool, tables, lens_t), expected, atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        paged_attention(q, k_pool, v_pool, tables, lens_t), expected, atol=ATOL, rtol=0
+    )
+
+
+def test_paged_decode_rejects_bad_shapes():
+    from minillm.kernels.paged_attention import paged_attention
+
+    q, k_pool, v_pool, tables, lens, _, _ = paged_case([3, 5], 4, 2, 8, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(q[:, :3], k_pool, v_pool, tables, lens)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention(q, k_pool, v_pool, tables, lens * 0)
+
+
+@pytest.mark.parametrize(
+    "B, heads, kv_heads, T, D, block",
+    [
+        (2, 4, 2, 37, 16, 16),  # odd length: a ragged last tile
+        (1, 6, 2, 16, 8, 16),  # exactly one tile, head_dim padded to 16
+        (1, 3, 3, 5, 32, 16),  # shorter than a tile
+        (1, 4, 1, 50, 16, 32),  # multi-query, bigger tiles
+    ],
+)
+def test_flash_prefill_matches_causal_sdpa(B, heads, kv_heads, T, D, block):
+    from minillm.kernels.flash_prefill import flash_prefill
+
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(B, h, T, D, generator=g).to(DEVICE) for h in (heads, kv_heads, kv_heads))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = flash_prefill(q, k, v, block_m=block, block_n=block)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    # the scale argument is honoured, not assumed
+    out = flash_prefill(q, k, v, scale=0.5 / math.sqrt(D), block_m=block, block_n=block)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, scale=0.5 / math.sqrt(D)
+    )
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_flash_prefill_rejects_bad_tiles():
+    from minillm.kernels.flash_prefill import flash_prefill
+
+    q = torch.zeros(1, 2, 4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="powers of two"):
+        flash_prefill(q, q, q, block_m=8)
+
+
+def test_paged_decode_on_the_models_cache(model, prompts):
+    """The Triton kernel reads a PagedKVCache filled by the model exactly as the
+    reference gather does."""
+    from minillm.kernels.paged_attention import paged_attention, paged_attention_ref
+    from minillm.paged import BlockManager, PagedKVCache
+
+    cfg, m = model.config, BlockManager(12, 4)
+    cache = PagedKVCache(cfg, 12, 4)
+    for i, p in enumerate(prompts):
+        m.allocate(i, p)
+    cache.set_tables([m.block_table(i) for i in range(len(prompts))])
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    with torch.inference_mode():
+        model(ids, cache=cache)
+    tables, lens = cache.tables, torch.tensor([len(p) for p in prompts])
+    q = torch.randn(len(prompts), cfg.num_attention_heads, cfg.head_dim)
+    ref = paged_attention_ref(q, cache.k[1], cache.v[1], tables, lens)
+    torch.testing.assert_close(
+        paged_attention(
+            q.to(DEVICE),
+            cache.k[1].to(DEVICE),
+            cache.v[1].to(DEVICE),
+            tables.to(DEVICE),
+            lens.to(DEVICE),
+        ).cpu(),
+        ref,
+        atol=ATOL,
+        rtol=0,
+    )
+
+
+def test_paged_cache_attention_hook_matches_sdpa_over_the_cache(model, prompts):
+    """PagedKVCache.attention (the proposed model hook): a decode step through the Triton
+    kernel equals update + SDPA with the causal mask (the path the model takes today)."""
+    from minillm.paged import BlockManager, PagedKVCache
+
+    cfg, m = model.config, BlockManager(12, 4)
+    caches = [PagedKVCache(cfg, 12, 4, device=DEVICE) for _ in range(2)]
+    seqs = [p + [7] for p in prompts]  # each prompt plus one decode token
+    for i, p in enumerate(prompts):
+        m.allocate(i, p)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=DEVICE)
+    for c in caches:
+        c.set_tables([m.block_table(i) for i in range(len(prompts))])
+        with torch.inference_mode():
+            model.to(DEVICE)(ids, cache=c)
+    for i, s in enumerate(seqs):
+        m.append_slot(i, s[-1])
+    g = torch.Generator().manual_seed(1)
+    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = torch.randn(len(seqs), H, 1, D, generator=g).to(DEVICE)
+    k = torch.randn(len(seqs), KV, 1, D, generator=g).to(DEVICE)
+    v = torch.randn(len(seqs), KV, 1, D, generator=g).to(DEVICE)
+    pos = torch.tensor([[len(p)] for p in prompts], device=DEVICE)
+    outs = []
+    for c in caches:
+        c.set_tables([m.block_table(i) for i in range(len(seqs))])
+    k_all, v_all = caches[0].update(2, k, v, pos)
+    mask = caches[0].causal_mask(pos)
+    outs.append(F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True))
+    outs.append(caches[1].attention(2, q, k, v, pos))
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(caches[1].k, caches[0].k)  # the same slots were written
