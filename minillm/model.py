@@ -207,12 +207,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # store this step's K/V, attend over everything stored so far
-            k, v = cache.update(self.layer_idx, k, v, positions)
-        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        )
+        if getattr(cache, "use_kernel", False):  # chapter 07: the paged cache's own kernel
+            out = cache.attention(self.layer_idx, q, k, v, positions)
+        else:
+            if cache is not None:  # store this step's K/V, attend over everything stored so far
+                k, v = cache.update(self.layer_idx, k, v, positions)
+            # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -260,7 +260,11 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        use_kernel: bool = False,
     ) -> None:
+        # use_kernel: the model calls `attention` instead of `update` + SDPA, so decode
+        # steps run the Triton paged kernel (needs CUDA, or TRITON_INTERPRET=1 on a CPU).
+        self.use_kernel = use_kernel
         shape = (
             cfg.num_hidden_layers,
             num_blocks,
@@ -318,7 +322,7 @@ class PagedKVCache:
     ) -> torch.Tensor:
         """Store k, v and attend (q [B, heads, T, head_dim] -> same shape): a decode step
         (T == 1) runs the Triton paged kernel, reading K/V in place; a prefill gathers and
-        runs SDPA. For a model hook (see the chapter 07 notes); Triton must be importable."""
+        runs SDPA. The model calls it when `use_kernel` is set; Triton must be importable."""
         if q.shape[2] != 1:
             k_all, v_all = self.update(layer, k, v, positions)
             mask = self.causal_mask(positions)
@@ -354,12 +358,14 @@ def generate_paged(
     num_blocks: int | None = None,
     n: int = 1,
     manager: BlockManager | None = None,
+    use_kernel: bool = False,
 ) -> list[list[int]]:
     """Like `minillm.generate`, on a paged cache: prompts sharing prefix blocks prefill
     them once, and each prompt's `n` samples share its blocks (forks). Returns
     len(prompts) * n lists, the samples of each prompt together. No preemption: an
     OutOfBlocks here means `num_blocks` is too small for the batch. A `manager` given must
-    hold no sequences (its prefix cache may be warm: later calls then hit it)."""
+    hold no sequences (its prefix cache may be warm: later calls then hit it).
+    `use_kernel`: decode steps attend with the Triton paged kernel (see PagedKVCache)."""
     cfg, device = model.config, model.lm_head.weight.device
     limit = cfg.max_position_embeddings
     for p in prompts:
@@ -370,7 +376,7 @@ def generate_paged(
     if manager.tables:
         raise ValueError("generate_paged needs a BlockManager without sequences: free them")
     dtype = model.lm_head.weight.dtype
-    cache = PagedKVCache(cfg, manager.num_blocks, manager.block_size, dtype, device)
+    cache = PagedKVCache(cfg, manager.num_blocks, manager.block_size, dtype, device, use_kernel)
     # Prefill, one prompt after another so that a later prompt finds an earlier one's
     # blocks in the prefix cache; only each prompt's uncached tail runs.
     last_logits = []

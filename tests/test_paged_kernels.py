@@ -183,3 +183,16 @@ def test_paged_cache_attention_hook_matches_sdpa_over_the_cache(model, prompts):
     outs.append(caches[1].attention(2, q, k, v, pos))
     torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(caches[1].k, caches[0].k)  # the same slots were written
+
+
+def test_model_with_the_paged_kernel_gives_the_contiguous_caches_greedy_tokens(model, prompts):
+    """use_kernel=True: every decode step of the model attends with the Triton kernel."""
+    from minillm import SamplingParams, generate
+    from minillm.paged import generate_paged
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    model = model.to(DEVICE)
+    expected = generate(model, prompts, greedy)
+    assert generate_paged(model, prompts, greedy, block_size=4, use_kernel=True) == expected
+    forked = generate_paged(model, prompts[:1], greedy, block_size=4, n=2, use_kernel=True)
+    assert forked == [expected[0], expected[0]]
