@@ -1,0 +1,293 @@
+"""Chapter 04 benchmark: what TensorRT does, built small and measured on the bundled model.
+
+    python benchmarks/calibration.py [--quick] [--threads N] [--json results.json]
+
+(a) INT8 calibration: activation statistics of every nn.Linear input on batches of the
+    bundled model's training text; the clipping thresholds max / percentile (99.99) /
+    entropy (KL) pick for each layer's down_proj input (the heavy-tailed one); held-out
+    perplexity and next-token agreement with fp32 of fp32, int8 weights only, and int8
+    weights + activations calibrated by each method (fake quantization: int8's error, fp32
+    speed).
+(b) Layer fusion: norm weights folded into the next linears, QKV and gate/up fused. Logits
+    equal (max |diff|), greedy tokens identical, aten ops per forward before and after,
+    and the fused/unfused time ratio of a 128-token prefill and a one-token decode step
+    with a KV cache (A/B interleaved, median of paired ratios, 1 thread by default).
+(c) The same fusion timing on a SmolLM2-135M-shaped model with random weights (576 wide,
+    30 layers): does a realistic width change the answer? (Skipped with --quick.)
+
+The last line is one `SUMMARY calibration:` line. Speed figures are ratios measured in the
+same run; quality figures are deterministic for a given calibration set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+from minillm import SamplingParams, generate, load_model, load_tokenizer  # noqa: E402
+from minillm.calibrate import (  # noqa: E402
+    calibration_batches,
+    collect_stats,
+    compare_methods,
+    entropy_threshold,
+    percentile_threshold,
+)
+from minillm.evaluate import held_out_ids  # noqa: E402
+from minillm.fusion import fuse_model, ops_per_forward  # noqa: E402
+from minillm.kv_cache import KVCache  # noqa: E402
+from minillm.measure import time_ratios  # noqa: E402
+from minillm.model import ModelConfig, Transformer  # noqa: E402
+
+SEED = 0
+PROMPT = "And the LORD said unto Moses, Speak unto"
+# HuggingFaceTB/SmolLM2-135M config.json: the fields that set the shapes.
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+
+
+# --------------------------------------------------------------------- (a) calibration
+
+
+def calibration(
+    n_batches: int = 8, batch_size: int = 4, seq_len: int = 128, max_windows: int = 64
+) -> dict[str, Any]:
+    """Stats on n_batches x batch_size x seq_len training tokens; quality of each method on
+    the first `max_windows` 128-token windows of the held-out text."""
+    model, tok = load_model(), load_tokenizer()
+    batches = calibration_batches(tok, n_batches, batch_size, seq_len)
+    stats = collect_stats(model, batches)
+    thresholds = {
+        name: {
+            "max": s.absmax,
+            "percentile": percentile_threshold(s),
+            "entropy": entropy_threshold(s),
+        }
+        for name, s in stats.items()
+        if name.endswith("down_proj")
+    }
+    quality = compare_methods(model, stats, held_out_ids(tok), window=128, max_windows=max_windows)
+    return {
+        "calibration_tokens": n_batches * batch_size * seq_len,
+        "eval_tokens": max_windows * 128,
+        "thresholds": thresholds,
+        "quality": quality,
+    }
+
+
+# -------------------------------------------------------------------------- (b) fusion
+
+
+def decode_step_fn(model: torch.nn.Module, context: int = 64) -> Callable[[], torch.Tensor]:
+    """One cached decode step at position context-1 (the cache prefilled before)."""
+    ids = torch.randint(model.config.vocab_size, (1, context), generator=torch.Generator())
+    cache = KVCache(model.config, 1, context)
+    with torch.inference_mode():
+        cache.kv_len = context - 1
+        model(ids[:, :-1], cache=cache)
+    cache.kv_len = context
+    last, pos = ids[:, -1:], torch.tensor([[context - 1]])
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        return model(last, pos, cache=cache)
+
+    return step
+
+
+def fusion(repeats: int = 30, prefill: int = 128, new_tokens: int = 32) -> dict[str, Any]:
+    """Equality, ops saved and speed of the fused bundled model."""
+    model, tok = load_model(), load_tokenizer()
+    fused = fuse_model(model)
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(model.config.vocab_size, (1, prefill), generator=g)
+    with torch.inference_mode():
+        a, b = model(ids), fused(ids)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompt = [tok.encode(PROMPT)]
+    same_tokens = generate(model, prompt, params) == generate(fused, prompt, params)
+    # The counts do not depend on the number of tokens: one forward is one op sequence.
+    ops = {"unfused": ops_per_forward(model, ids), "fused": ops_per_forward(fused, ids)}
+
+    def forward(m: torch.nn.Module) -> Callable[[], torch.Tensor]:
+        @torch.inference_mode()
+        def call() -> torch.Tensor:
+            return m(ids)
+
+        return call
+
+    speed = {
+        "prefill": time_ratios(
+            {"unfused": forward(model), "fused": forward(fused)}, "unfused", repeats=repeats
+        )["fused"],
+        "decode": time_ratios(
+            {"unfused": decode_step_fn(model), "fused": decode_step_fn(fused)},
+            "unfused",
+            repeats=repeats * 3,
+            warmup=5,
+        )["fused"],
+    }
+    return {
+        "max_abs_diff": (a - b).abs().max().item(),
+        "max_abs_logit": a.abs().max().item(),
+        "same_greedy_tokens": same_tokens,
+        "new_tokens": new_tokens,
+        "ops": ops,
+        "time_fused_over_unfused": speed,
+        "prefill_tokens": prefill,
+    }
+
+
+def fusion_at_width(
+    cfg: dict[str, Any] = SMOLLM2_135M, prefill: int = 64, repeats: int = 5
+) -> dict[str, Any]:
+    """Fused / unfused time on a random-weight model of real shapes (speed needs shapes only)."""
+    torch.manual_seed(SEED)
+    model = Transformer(ModelConfig.from_hf(cfg)).eval()
+    fused = fuse_model(model)
+    ids = torch.randint(model.config.vocab_size, (1, prefill), generator=torch.Generator())
+
+    def forward(m: torch.nn.Module) -> Callable[[], torch.Tensor]:
+        @torch.inference_mode()
+        def call() -> torch.Tensor:
+            return m(ids)
+
+        return call
+
+    with torch.inference_mode():
+        rel = (model(ids) - fused(ids)).abs().max().item() / model(ids).abs().max().item()
+    steps = {"unfused": decode_step_fn(model, prefill), "fused": decode_step_fn(fused, prefill)}
+    return {
+        "params": model.num_parameters(),
+        "max_rel_diff": rel,
+        "ops": {"unfused": ops_per_forward(model, ids), "fused": ops_per_forward(fused, ids)},
+        "time_fused_over_unfused": {
+            "prefill": time_ratios(
+                {"unfused": forward(model), "fused": forward(fused)}, "unfused", repeats=repeats
+            )["fused"],
+            "decode": time_ratios(steps, "unfused", repeats=repeats * 4, warmup=3)["fused"],
+        },
+        "prefill_tokens": prefill,
+    }
+
+
+# ------------------------------------------------------------------------- printing
+
+
+def print_calibration(r: dict[str, Any]) -> None:
+    print(
+        f"\n(a) INT8 calibration on {r['calibration_tokens']} training tokens; "
+        f"scored on {r['eval_tokens']} held-out tokens"
+    )
+    print(f"{'down_proj input of':<28} {'max':>8} {'p99.99':>8} {'entropy':>8}")
+    for name, t in r["thresholds"].items():
+        layer = name.split(".")[2]
+        print(
+            f"{'layer ' + layer:<28} {t['max']:>8.2f} {t['percentile']:>8.2f} {t['entropy']:>8.2f}"
+        )
+    print(f"\n{'model':<22} {'perplexity':>10} {'vs fp32':>8} {'agreement':>10}")
+    base = r["quality"]["fp32"]["perplexity"]
+    for name, q in r["quality"].items():
+        print(
+            f"{name:<22} {q['perplexity']:>10.3f} {q['perplexity'] / base - 1:>+8.1%} "
+            f"{q['agreement']:>10.1%}"
+        )
+
+
+def print_fusion(r: dict[str, Any]) -> None:
+    print("\n(b) layer fusion (fold RMSNorm weights, fuse QKV, fuse gate/up)")
+    print(
+        f"  logits max |diff| {r['max_abs_diff']:.2g} (max |logit| {r['max_abs_logit']:.1f}); "
+        f"same greedy tokens ({r['new_tokens']}): {r['same_greedy_tokens']}"
+    )
+    print(f"  {'aten ops per forward':<22} {'all':>10} {'compute':>10} {'GEMMs':>10}")
+    for k, o in r["ops"].items():
+        print(f"  {k:<22} {o['ops']:>10} {o['compute_ops']:>10} {o['gemms']:>10}")
+    s = r["time_fused_over_unfused"]
+    print(
+        f"  time fused / unfused: prefill {r['prefill_tokens']} tokens {s['prefill']:.2f}x, "
+        f"decode step {s['decode']:.2f}x"
+    )
+
+
+def print_width(r: dict[str, Any]) -> None:
+    s, o = r["time_fused_over_unfused"], r["ops"]
+    print(f"\n(c) the same fusion on a SmolLM2-135M-shaped model, random weights ({r['params']:,})")
+    print(
+        f"  logits max |diff| / max |logit| {r['max_rel_diff']:.1g}; compute ops "
+        f"{o['unfused']['compute_ops']} -> {o['fused']['compute_ops']}, GEMMs "
+        f"{o['unfused']['gemms']} -> {o['fused']['gemms']}"
+    )
+    print(
+        f"  time fused / unfused: prefill {r['prefill_tokens']} tokens {s['prefill']:.2f}x, "
+        f"decode step {s['decode']:.2f}x"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    t0 = time.perf_counter()
+    print(f"torch {torch.__version__}, {args.threads} thread(s), quick={args.quick}")
+
+    cal = calibration(**({"n_batches": 4, "max_windows": 16} if args.quick else {}))
+    print_calibration(cal)
+    fus = fusion(repeats=10 if args.quick else 30)
+    print_fusion(fus)
+
+    results = {"threads": args.threads, "quick": args.quick, "calibration": cal, "fusion": fus}
+    if not args.quick:
+        results["fusion_135m"] = wide = fusion_at_width()
+        print_width(wide)
+    results["seconds"] = time.perf_counter() - t0
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    q = cal["quality"]
+    ppl = ", ".join(f"{k.removeprefix('int8 ')} {v['perplexity']:.2f}" for k, v in q.items())
+    agree = ", ".join(
+        f"{k.removeprefix('int8 ')} {v['agreement']:.1%}" for k, v in q.items() if k != "fp32"
+    )
+    o = fus["ops"]
+    s = fus["time_fused_over_unfused"]
+    summary = (
+        f"SUMMARY calibration: perplexity {ppl}; agreement with fp32 {agree}; fusion: "
+        f"logits max diff {fus['max_abs_diff']:.1g}, same tokens {fus['same_greedy_tokens']}, "
+        f"compute ops per forward {o['unfused']['compute_ops']} -> "
+        f"{o['fused']['compute_ops']} (GEMMs {o['unfused']['gemms']} -> {o['fused']['gemms']}), "
+        f"time fused/unfused prefill {s['prefill']:.2f}x, decode {s['decode']:.2f}x"
+    )
+    if "fusion_135m" in results:
+        w = results["fusion_135m"]["time_fused_over_unfused"]
+        summary += f" (135M shape: prefill {w['prefill']:.2f}x, decode {w['decode']:.2f}x)"
+    print(f"{summary}; {args.threads} thread(s), {results['seconds']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
