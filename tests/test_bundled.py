@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_tokenizer
+from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_model, load_tokenizer
 from minillm.evaluate import held_out_ids, next_token_agreement, perplexity
 
 PROMPT = "In the beginning God created"
@@ -115,3 +115,15 @@ def test_doctor_reports_packages_device_and_chapters():
     assert "torch" in result.stdout and "== device ==" in result.stdout
     assert "01 inference vs training" in result.stdout
     assert result.returncode == 0, result.stdout
+
+
+def test_bundled_draft_shares_the_tokenizer_and_is_a_quarter_of_the_size(model):
+    from minillm import BUNDLED_DRAFT_DIR
+
+    draft = load_model(BUNDLED_DRAFT_DIR)
+    same = (BUNDLED_DRAFT_DIR / "tokenizer.json").read_bytes()
+    assert same == (BUNDLED_DIR / "tokenizer.json").read_bytes()
+    assert draft.config.vocab_size == model.config.vocab_size
+    assert draft.num_parameters() < model.num_parameters() / 3
+    card = json.loads((BUNDLED_DRAFT_DIR / "train_metrics.json").read_text())
+    assert card["val_perplexity"] < 60  # trained, if worse than its target

@@ -51,6 +51,8 @@ def test_greedy_equals_the_target_alone_with_a_perfect_or_a_bad_draft(model, pro
         mixed, bad = speculative_generate(model, bad_draft, prompt, params, k=k)
         assert mixed == alone
         assert bad.acceptance_rate < 0.5 and bad.rounds > perfect.rounds
+        assert bad.accepted + bad.rounds == len(mixed)  # each round: kept proposals + 1
+        assert bad.rejected <= bad.rounds and bad.kept_fraction <= bad.acceptance_rate
 
 
 def test_generation_stops_at_a_stop_token_inside_an_accepted_run(model, prompts):
