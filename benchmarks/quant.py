@@ -1,0 +1,479 @@
+"""Chapter 06 benchmark: what each weight format costs in quality, saves in bytes, and does
+to decode speed, on this machine, in one run.
+
+    python benchmarks/quant.py [--quick] [--windows N] [--threads N] [--no-ort] [--json out.json]
+
+(a) Bundled model (trained, so perplexity means something): for fp32, bf16, our INT8 /
+    INT4 / NF4 schemes and the libraries (bitsandbytes 8-bit and NF4, torch.ao dynamic
+    int8, ONNX Runtime dynamic int8): weight bytes of the linear layers and of the whole
+    model, held-out perplexity and its change vs fp32, next-token agreement with fp32,
+    and the time of one cached decode step as a ratio to fp32 (A/B interleaved).
+(b) SmolLM2-135M shapes, random weights (speed and bytes do not depend on what the
+    weights learned): weight bytes for every scheme, and decode-step time ratios vs fp32.
+    Here the linear layers are 80% of the weights, as in real checkpoints; in the bundled
+    model the tied 4096 x 128 embedding is 40% and is kept in fp32 (see quantize_model).
+
+The last line is one `SUMMARY quant:` line. Speed figures are ratios of calls timed in
+alternation in the same run: absolute times on a shared machine are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+# Run by path, Python puts benchmarks/ first on sys.path, where benchmarks/onnx.py would
+# shadow the onnx package that ONNX Runtime's quantizer imports: take it off.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+from minillm import load_model, load_tokenizer  # noqa: E402
+from minillm.configs import SMOLLM2_135M  # noqa: E402
+from minillm.evaluate import held_out_ids, next_token_agreement, perplexity  # noqa: E402
+from minillm.kv_cache import KVCache  # noqa: E402
+from minillm.measure import format_bytes, time_ratios  # noqa: E402
+from minillm.model import ModelConfig, Transformer  # noqa: E402
+from minillm.quant import linear_names, quantize_model, weight_bytes  # noqa: E402
+
+SEED = 0
+WINDOW = 256
+OURS = [
+    "int8",
+    "int8-tensor",
+    "int4-g128",
+    "int4sym-g128",
+    "nf4-g128",
+    "int4-g64",
+    "int4sym-g64",
+    "nf4-g64",
+    "nf4-g64-dq",
+    "int4-g32",
+    "nf4-g32",
+]
+LIBRARIES = ["bnb-int8", "bnb-nf4-g64", "torch.ao-int8", "ort-int8"]
+SPEED_BIG = ["bf16", "int8", "int4-g64", "nf4-g64", "torch.ao-int8", "bnb-int8", "bnb-nf4-g64"]
+
+
+@contextlib.contextmanager
+def quiet() -> Any:
+    """Silence library notices (bitsandbytes prints one at import, torch.ao warns)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+
+
+# ---------------------------------------------------------------------- library models
+
+
+def _kept(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> list[str]:
+    return [n for n in linear_names(model) if not n.endswith(keep)]
+
+
+def bnb_model(model: Transformer, kind: str) -> Transformer:
+    """A copy with every linear but lm_head replaced by bitsandbytes' Linear8bitLt
+    (`kind='int8'`, LLM.int8() with outlier threshold 6) or Linear4bit (`'nf4'`, block 64,
+    no double quantization, fp32 compute), quantized on the CPU."""
+    with quiet():
+        import bitsandbytes as bnb
+    model = copy.deepcopy(model)
+    for name in _kept(model):
+        lin = model.get_submodule(name)
+        args = (lin.in_features, lin.out_features, lin.bias is not None)
+        if kind == "int8":
+            new = bnb.nn.Linear8bitLt(*args, has_fp16_weights=False, threshold=6.0)
+        else:
+            new = bnb.nn.Linear4bit(
+                *args, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=False
+            )
+        new.load_state_dict(lin.state_dict())
+        with quiet():
+            new = new.to("cpu")  # quantization happens when the weight is moved
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def torch_ao_int8(model: Transformer) -> tuple[Transformer, str]:
+    """torch.ao dynamic int8 (weights int8 per tensor, activations quantized per call) of
+    every linear but lm_head, and the deprecation warning torch prints for it."""
+    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
+
+    spec = dict.fromkeys(_kept(model), default_dynamic_qconfig)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qmodel = quantize_dynamic(copy.deepcopy(model), spec, dtype=torch.qint8)
+    notes = sorted({str(w.message).splitlines()[0] for w in caught})
+    return qmodel, " / ".join(notes)
+
+
+def library_weight_bytes(model: nn.Module) -> int:
+    """Stored bytes of the linear weights of a bitsandbytes / torch.ao model (+ lm_head)."""
+    total = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if callable(w):  # torch.ao DynamicQuantizedLinear: weight() -> quantized tensor
+            q = w()
+            total += q.int_repr().nbytes + 8  # int8 codes + one fp64 scale, int64 zero
+        elif type(mod).__name__ in ("Linear8bitLt", "Linear4bit"):
+            total += w.nbytes
+            state = getattr(w, "quant_state", None)
+            extra = [getattr(w, "SCB", None)] + ([state.absmax] if state is not None else [])
+            total += sum(t.nbytes for t in extra if t is not None)
+        elif isinstance(mod, nn.Linear):
+            total += w.nbytes
+    return total
+
+
+def _ort_step(path: Path, context: int = 64) -> Callable[[], Any]:
+    """One decode step of an ONNX decoder-step graph at position `context`, pasts prefilled."""
+    import numpy as np
+
+    from minillm import onnx_export as ox
+
+    dec = ox.OrtDecoder(ox.ort_session(path))
+    _, pos, mask, past = dec.prefill([list(range(1, context + 1))])
+    ids = np.array([[7]], np.int64)
+    positions = pos[:, None].astype(np.int64)
+    mask1 = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+
+    def step() -> Any:
+        return dec.step(ids, positions, mask1, past)
+
+    step()
+    return step
+
+
+def ort_int8(model: Transformer, workdir: Path) -> dict[str, Any]:
+    """ONNX Runtime dynamic int8 (chapter 03, per-channel weights): a logits function, the
+    int8 file's size, and decode-step functions of the fp32 and int8 step graphs (None if
+    the step graph could not be built)."""
+    from minillm import onnx_export as ox
+
+    with quiet():
+        fp = ox.export_forward(model, workdir / "forward.onnx")
+        q8 = ox.quantize_int8(fp, workdir / "forward.int8.onnx", per_channel=True)
+    out = {"logits": ox.ort_logits_fn(ox.ort_session(q8)), "bytes": q8.stat().st_size}
+    out["step_fp32"] = out["step_int8"] = None
+    with contextlib.suppress(Exception), quiet():
+        sp = ox.export_decoder_step(model, workdir / "step.onnx")
+        sq = ox.quantize_int8(sp, workdir / "step.int8.onnx", per_channel=True)
+        out["step_fp32"], out["step_int8"] = _ort_step(sp), _ort_step(sq)
+    return out
+
+
+# --------------------------------------------------------------------------- decode step
+
+
+def decode_step(model: nn.Module, cfg: ModelConfig, context: int = 64) -> Callable[[], Any]:
+    """One cached decode step at position `context` (the first `context` slots prefilled)."""
+    ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=torch.Generator())
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    cache = KVCache(cfg, 1, context + 1, dtype=dtype)
+    with torch.inference_mode():
+        cache.kv_len = context
+        model(ids[:, :context], cache=cache)
+    cache.kv_len = context + 1
+    pos = torch.tensor([[context]])
+
+    @torch.inference_mode()
+    def step() -> Any:
+        return model(ids[:, context:], positions=pos, cache=cache)
+
+    return step
+
+
+def build(model: Transformer, scheme: str) -> tuple[nn.Module, str]:
+    """(model in `scheme`, a note). fp32 / bf16 / ours / library names."""
+    if scheme == "fp32":
+        return model, ""
+    if scheme == "bf16":
+        return copy.deepcopy(model).to(torch.bfloat16), ""
+    if scheme == "bnb-int8":
+        return bnb_model(model, "int8"), ""
+    if scheme == "bnb-nf4-g64":
+        return bnb_model(model, "nf4"), ""
+    if scheme == "torch.ao-int8":
+        return torch_ao_int8(model)
+    return quantize_model(copy.deepcopy(model), scheme), ""
+
+
+def model_bytes(model: nn.Module, scheme: str) -> tuple[int, int]:
+    """(bytes of the quantizable linear weights, bytes of all weights)."""
+    if scheme in ("bnb-int8", "bnb-nf4-g64", "torch.ao-int8"):
+        head = model.lm_head.weight.nbytes
+        lin = library_weight_bytes(model) - head
+        others = sum(
+            p.nbytes for n, p in model.named_parameters() if "layers" in n and p.dim() == 1
+        )
+        emb = model.model.embed_tokens.weight.nbytes + model.model.norm.weight.nbytes
+        return lin, lin + others + emb
+    kept = model.lm_head.weight.nbytes
+    return weight_bytes(model, only_linear=True) - kept, weight_bytes(model)
+
+
+# ------------------------------------------------------------------------------- (a) table
+
+
+def quality_table(
+    schemes: list[str], windows: int | None, repeats: int, use_ort: bool = True, progress=None
+) -> list[dict[str, Any]]:
+    """Rows of (a): bytes, perplexity, agreement with fp32, decode-step ratio vs fp32."""
+    base = load_model()
+    ids = held_out_ids(load_tokenizer())
+    kw = {"window": WINDOW, "max_windows": windows}
+    base_ppl = perplexity(base, ids, **kw)
+    base_step = decode_step(base, base.config)
+    rows = []
+    it = progress(schemes) if progress else schemes
+    for scheme in it:
+        note = ""
+        if scheme == "ort-int8":
+            if not use_ort:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    ort = ort_int8(base, Path(tmp))
+                except Exception as err:  # chapter 03's module missing or failing here
+                    rows.append({"scheme": scheme, "note": f"skipped: {err}"})
+                    continue
+                ppl = perplexity(ort["logits"], ids, **kw)
+                agree = next_token_agreement(base, ort["logits"], ids, **kw)
+                ratio, note = None, "file size; lm_head int8 too"
+                if ort["step_int8"] is not None:
+                    fns = {
+                        "fp32": base_step,
+                        "ort-fp32": ort["step_fp32"],
+                        scheme: ort["step_int8"],
+                    }
+                    r = time_ratios(fns, "ort-fp32", repeats)
+                    ratio = r[scheme]
+                    note += f"; step time vs ORT fp32 (ORT fp32 = {1 / r['fp32']:.2f}x torch fp32)"
+                row = {"scheme": scheme, "linear_bytes": None, "model_bytes": ort["bytes"]}
+                row |= {"ppl": ppl, "ppl_delta": ppl / base_ppl - 1, "agreement": agree}
+                rows.append(row | {"step_ratio": ratio, "note": note})
+            continue
+        model, note = build(base, scheme)
+        lin, total = model_bytes(model, scheme)
+        ppl = perplexity(model, ids, **kw)
+        agree = 1.0 if scheme == "fp32" else next_token_agreement(base, model, ids, **kw)
+        ratio = 1.0
+        if scheme != "fp32":
+            fns = {"fp32": base_step, scheme: decode_step(model, base.config)}
+            ratio = time_ratios(fns, "fp32", repeats)[scheme]
+        row = {"scheme": scheme, "linear_bytes": lin, "model_bytes": total, "ppl": ppl}
+        row |= {"ppl_delta": ppl / base_ppl - 1, "agreement": agree, "step_ratio": ratio}
+        rows.append(row | {"note": note})
+    fp32 = rows[0]
+    for row in rows:
+        if row.get("linear_bytes"):
+            row["linear_reduction"] = fp32["linear_bytes"] / row["linear_bytes"]
+        if row.get("model_bytes"):
+            row["model_reduction"] = fp32["model_bytes"] / row["model_bytes"]
+    return rows
+
+
+def print_quality(rows: list[dict[str, Any]]) -> None:
+    head = f"{'scheme':<14}{'linear W':>11}{'x less':>8}{'model W':>11}{'x less':>8}"
+    print(head + f"{'ppl':>8}{'d ppl':>8}{'agree':>7}{'step/fp32':>11}")
+    for r in rows:
+        if "ppl" not in r:
+            print(f"{r['scheme']:<14}{r['note']}")
+            continue
+        lin = format_bytes(r["linear_bytes"]) if r.get("linear_bytes") else "-"
+        lr = f"{r['linear_reduction']:.2f}" if r.get("linear_reduction") else "-"
+        step = f"{r['step_ratio']:.2f}" if r.get("step_ratio") else "-"
+        print(
+            f"{r['scheme']:<14}{lin:>11}{lr:>8}{format_bytes(r['model_bytes']):>11}"
+            f"{r['model_reduction']:>8.2f}{r['ppl']:>8.2f}{100 * r['ppl_delta']:>+7.2f}%"
+            f"{r['agreement']:>7.3f}{step:>11}"
+        )
+    for r in rows:
+        if "ppl" in r and r.get("note"):
+            print(f"  {r['scheme']}: {r['note']}")
+
+
+# -------------------------------------------------------------------- (b) realistic shapes
+
+
+def big_model() -> Transformer:
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_hf(SMOLLM2_135M))
+    model = model.to_empty(device="cpu")
+    model.lm_head.weight = model.model.embed_tokens.weight  # to_empty broke the tie
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+    from minillm.model import rope_inv_freq
+
+    model.inv_freq = rope_inv_freq(model.config)
+    return model.eval()
+
+
+def realistic_table(
+    schemes: list[str], speed: list[str], repeats: int, progress=None
+) -> list[dict[str, Any]]:
+    """Rows of (b): bytes for every scheme, decode-step ratio vs fp32 for `speed`."""
+    base = big_model()
+    base_step = decode_step(base, base.config)
+    rows = []
+    it = progress(schemes) if progress else schemes
+    for scheme in it:
+        model, _ = build(base, scheme)
+        lin, total = model_bytes(model, scheme)
+        ratio = 1.0 if scheme == "fp32" else None
+        if scheme in speed:
+            fns = {"fp32": base_step, scheme: decode_step(model, base.config)}
+            ratio = time_ratios(fns, "fp32", repeats)[scheme]
+        rows.append(
+            {"scheme": scheme, "linear_bytes": lin, "model_bytes": total, "step_ratio": ratio}
+        )
+        del model
+    for r in rows:
+        r["linear_reduction"] = rows[0]["linear_bytes"] / r["linear_bytes"]
+        r["model_reduction"] = rows[0]["model_bytes"] / r["model_bytes"]
+    return rows
+
+
+def print_realistic(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'scheme':<14}{'linear W':>11}{'x less':>8}{'model W':>11}{'x less':>8}{'step/fp32':>11}"
+    )
+    for r in rows:
+        step = f"{r['step_ratio']:.2f}" if r["step_ratio"] else "-"
+        print(
+            f"{r['scheme']:<14}{format_bytes(r['linear_bytes']):>11}{r['linear_reduction']:>8.2f}"
+            f"{format_bytes(r['model_bytes']):>11}{r['model_reduction']:>8.2f}{step:>11}"
+        )
+
+
+# ------------------------------------------------------------------------- (c) GPU kernel
+
+GPU_SHAPES = [(1, 4096, 4096), (1, 11008, 4096), (4, 4096, 4096), (16, 4096, 4096)]
+
+
+def gpu_kernel_benchmark(
+    shapes: list[tuple[int, int, int]] = GPU_SHAPES, group: int = 128
+) -> list[dict[str, Any]]:
+    """On a CUDA GPU: time of y = x @ W^T for x [M, K] fp16 and W [N, K] as fp16 (cuBLAS),
+    as our fused INT4 kernel, as PyTorch dequantize-then-matmul, and as bitsandbytes'
+    NF4 `matmul_4bit`; ratios to fp16 (triton.testing.do_bench medians)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("gpu_kernel_benchmark needs a CUDA GPU")
+    import triton
+
+    from minillm.kernels.int4_matmul import int4_matmul, int4_matmul_reference
+    from minillm.quant import quantize_int4
+
+    with quiet():
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bnb_f
+    rows = []
+    for m, n, k in shapes:
+        g = torch.Generator(device="cuda").manual_seed(SEED)
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+        qw = quantize_int4(w, group)
+        q4, state = bnb_f.quantize_4bit(w, quant_type="nf4", blocksize=64)
+        fns = {
+            "fp16 cuBLAS": lambda w=w, x=x: x @ w.T,
+            "int4 fused (ours)": lambda qw=qw, x=x: int4_matmul(x, qw),
+            "int4 dequant+matmul": lambda qw=qw, x=x: int4_matmul_reference(x, qw),
+            "bnb nf4 matmul_4bit": lambda q4=q4, st=state, x=x: bnb.matmul_4bit(x, q4.t(), st),
+        }
+        times = {}
+        for name, fn in fns.items():
+            try:
+                times[name] = triton.testing.do_bench(fn)
+            except Exception as err:  # report, do not hide, a library that fails here
+                times[name] = float("nan")
+                print(f"{name} at M={m}, N={n}, K={k}: {type(err).__name__}: {err}")
+        base = times["fp16 cuBLAS"]
+        rows.append({"shape": (m, n, k)} | {name: t / base for name, t in times.items()})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def summary(quality: list[dict[str, Any]], big: list[dict[str, Any]]) -> str:
+    """One line: the goals of the chapter, each with its figure."""
+    q = {r["scheme"]: r for r in quality if "ppl" in r}
+    b = {r["scheme"]: r for r in big}
+    parts = [f"int8 ppl {100 * q['int8']['ppl_delta']:+.2f}%"]
+    for g in (128, 64, 32):
+        if f"nf4-g{g}" in q and f"int4-g{g}" in q:
+            parts.append(
+                f"g{g} ppl nf4 {q[f'nf4-g{g}']['ppl']:.2f} / int4 {q[f'int4-g{g}']['ppl']:.2f}"
+                + (f" / int4sym {q[f'int4sym-g{g}']['ppl']:.2f}" if f"int4sym-g{g}" in q else "")
+            )
+    parts.append(
+        f"135M linear bytes int8 {b['int8']['linear_reduction']:.2f}x, "
+        f"int4-g64 {b['int4-g64']['linear_reduction']:.2f}x, "
+        f"nf4-g64-dq {b['nf4-g64-dq']['linear_reduction']:.2f}x less"
+    )
+    speed = ", ".join(
+        f"{s} {b[s]['step_ratio']:.2f}" for s in SPEED_BIG if b.get(s, {}).get("step_ratio")
+    )
+    parts.append(f"135M decode step time / fp32: {speed}")
+    return "SUMMARY quant: " + "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer windows and timing rounds")
+    ap.add_argument("--windows", type=int, default=None, help="held-out windows (default all)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-ort", action="store_true", help="skip ONNX Runtime int8")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    windows = args.windows or (16 if args.quick else None)
+    repeats = 5 if args.quick else 15
+
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), held-out windows: {windows or 'all'}"
+    )
+    print("\n(a) bundled model: quality, bytes, decode-step time vs fp32 (lm_head kept fp32)")
+    schemes = ["fp32", "bf16", *OURS, *LIBRARIES]
+    quality = quality_table(schemes, windows, repeats, use_ort=not args.no_ort)
+    print_quality(quality)
+    _, ao_note = torch_ao_int8(load_model())
+    print(f"torch.ao.quantization.quantize_dynamic warns: {ao_note!r}")
+
+    print("\n(b) SmolLM2-135M shapes, random weights: bytes; decode-step time vs fp32")
+    # 576 = 9 x 64: group 128 does not divide SmolLM2's hidden size (quantize_int4 says so)
+    big_schemes = ["fp32", "bf16", "int8", "int4-g64", "int4sym-g64", "int4-g32", "nf4-g64"]
+    big_schemes += ["nf4-g64-dq", "torch.ao-int8", "bnb-int8", "bnb-nf4-g64"]
+    big = realistic_table(big_schemes, SPEED_BIG, max(3, repeats // 3))
+    print_realistic(big)
+    if torch.cuda.is_available():
+        print("\n(c) GPU: y = x @ W^T time / fp16 cuBLAS (M rows, N x K weight)")
+        for r in gpu_kernel_benchmark():
+            print(r["shape"], ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "shape"))
+    else:
+        print("\n(c) GPU kernel benchmark skipped: no CUDA device (the kernel is tested on CPU")
+        print("    under TRITON_INTERPRET=1, which checks results, not speed)")
+    if args.json:
+        args.json.write_text(json.dumps({"quality": quality, "realistic": big}, indent=2))
+    print(summary(quality, big))
+
+
+if __name__ == "__main__":
+    main()

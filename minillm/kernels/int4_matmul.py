@@ -1,0 +1,126 @@
+"""Fused INT4 dequantize-and-matmul for the decode shape: a few rows of activations times a
+group-wise INT4 weight packed two codes per byte (`minillm.quant.quantize_int4`).
+
+At batch-1 decode a linear layer reads every weight once for one row of output: the
+time is the weight bytes read. Dequantizing the whole weight to fp16 in memory first
+(the PyTorch reference below) reads 0.5 byte/weight, writes 2 and reads 2 again; the
+fused kernel reads the 0.5 byte/weight once and dequantizes in registers.
+
+    y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, k // G]) * scale[n, k // G]
+
+Each program computes a BLOCK_M x BLOCK_N tile of y. Byte j of a packed row holds
+code 2j (low nibble) and 2j+1 (high nibble), so instead of interleaving the nibbles the
+kernel splits x into its even and odd columns: y = x_even @ w_lo^T + x_odd @ w_hi^T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.kernels import require_triton
+from minillm.quant import Int4Weight
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path still works; the kernel says what is missing
+    triton = None
+
+
+def int4_matmul_reference(x: torch.Tensor, qw: Int4Weight) -> torch.Tensor:
+    """PyTorch path: dequantize the whole weight, then x @ w^T (what QuantLinear does)."""
+    return x @ qw.dequantize().to(x.dtype).T
+
+
+if triton is not None:
+
+    @triton.jit
+    def _int4_matmul_kernel(
+        x_ptr,
+        packed_ptr,
+        scale_ptr,
+        zero_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_pn,
+        stride_sn,
+        stride_ym,
+        GROUP: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,  # unpacked inputs per step; divides GROUP
+    ):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rj = tl.arange(0, BLOCK_K // 2)  # byte index inside the K step
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        m_ok, n_ok = rm[:, None] < M, rn[:, None] < N
+        for k0 in range(0, K, BLOCK_K):
+            byte = k0 // 2 + rj
+            p = tl.load(packed_ptr + rn[:, None] * stride_pn + byte[None, :], mask=n_ok, other=0)
+            g = k0 // GROUP
+            s = tl.load(scale_ptr + rn * stride_sn + g, mask=rn < N, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(zero_ptr + rn * stride_sn + g, mask=rn < N, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w_lo = ((p & 0xF).to(tl.float32) - z[:, None]) * s[:, None]  # [BLOCK_N, BLOCK_K/2]
+            w_hi = ((p >> 4).to(tl.float32) - z[:, None]) * s[:, None]
+            col = k0 + 2 * rj
+            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok, other=0.0)
+            x_odd = tl.load(
+                x_ptr + rm[:, None] * stride_xm + col[None, :] + 1, mask=m_ok, other=0.0
+            )
+            dt = x_even.dtype
+            acc += tl.dot(x_even, tl.trans(w_lo.to(dt)))
+            acc += tl.dot(x_odd, tl.trans(w_hi.to(dt)))
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok & (rn[None, :] < N))
+
+
+def int4_matmul(
+    x: torch.Tensor, qw: Int4Weight, block_n: int = 32, block_k: int | None = None
+) -> torch.Tensor:
+    """y = x @ dequantize(qw)^T with the fused Triton kernel. x: [M, K] fp32/fp16 on the
+    weight's device (a GPU, or the CPU under TRITON_INTERPRET=1); y: [M, N] in x's dtype."""
+    require_triton()
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K] (flatten batch and time first), got {tuple(x.shape)}")
+    N, K = qw.packed.shape[0], qw.packed.shape[1] * 2
+    if x.shape[1] != K:
+        raise ValueError(f"x has {x.shape[1]} features, the weight expects {K}")
+    if x.dtype == torch.bfloat16:
+        raise ValueError("bf16 x is not supported (Triton's interpreter gets bf16 dots wrong)")
+    block_k = block_k or min(qw.group_size, 64)
+    if qw.group_size % block_k:
+        raise ValueError(f"block_k={block_k} must divide group_size={qw.group_size}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    zero = qw.zero if qw.zero is not None else qw.scale  # unused when HAS_ZERO is False
+    block_m = 16  # tl.dot's minimum tile; decode rows beyond M are masked
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(N, block_n))
+    _int4_matmul_kernel[grid](
+        x,
+        qw.packed,
+        qw.scale,
+        zero,
+        y,
+        x.shape[0],
+        N,
+        K,
+        x.stride(0),
+        qw.packed.stride(0),
+        qw.scale.stride(0),
+        y.stride(0),
+        GROUP=qw.group_size,
+        HAS_ZERO=qw.zero is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return y
