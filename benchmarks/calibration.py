@@ -43,6 +43,7 @@ from minillm.calibrate import (  # noqa: E402
     entropy_threshold,
     percentile_threshold,
 )
+from minillm.configs import SMOLLM2_135M  # noqa: E402
 from minillm.evaluate import held_out_ids  # noqa: E402
 from minillm.fusion import fuse_model, ops_per_forward  # noqa: E402
 from minillm.kv_cache import KVCache  # noqa: E402
@@ -51,20 +52,6 @@ from minillm.model import ModelConfig, Transformer  # noqa: E402
 
 SEED = 0
 PROMPT = "And the LORD said unto Moses, Speak unto"
-# HuggingFaceTB/SmolLM2-135M config.json: the fields that set the shapes.
-SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "rope_theta": 100000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-}
 
 
 # --------------------------------------------------------------------- (a) calibration
