@@ -152,8 +152,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("  " + ", ".join(f"k={k}: {v:.2f}x" for k, v in big.items()))
         result.update(big_draft_cost=big_c, big_predicted_speedup=big)
 
-    best = max(ks, key=lambda k: measured[k])
+    # a barely moves with k (it is a property of the draft/target pair): use its median
     a_med = statistics.median(greedy[k]["acceptance"] for k in ks)
+    print(f"\n(d) what it takes: best predicted speed-up over k = 1..16 at a = {a_med:.2f}")
+    what_if = {}
+    for cost in (0.02, 0.05, 0.1, 0.2, c):
+        k_best = max(range(1, 17), key=lambda k, cost=cost: predicted_speedup(a_med, k, cost))
+        what_if[cost] = (k_best, predicted_speedup(a_med, k_best, cost))
+        print(f"  c={cost:.2f}: {what_if[cost][1]:.2f}x at k={k_best}")
+    result["what_if"] = {str(cost): v for cost, v in what_if.items()}
+
+    best = max(ks, key=lambda k: measured[k])
     line = (
         f"SUMMARY speculative: greedy acceptance {a_med:.2f} (median over k), draft cost "
         f"c={c:.2f}; best measured speed-up {measured[best]:.2f}x at k={best} "
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "big_draft_cost" in result:
         top = max(result["big_predicted_speedup"].values())
         line += f"; 135M draft / 360M target c={result['big_draft_cost']:.3f} predicts {top:.2f}x"
+    line += f"; a draft costing c=0.05 would give {what_if[0.05][1]:.2f}x (k={what_if[0.05][0]})"
     print("\n" + line)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
