@@ -35,9 +35,6 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run by path, Python puts benchmarks/ first on sys.path, where benchmarks/onnx.py would
-# shadow the onnx package that ONNX Runtime's quantizer imports: take it off.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 

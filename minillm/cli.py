@@ -1,4 +1,4 @@
-"""`python -m minillm generate | doctor`: the course's command line."""
+"""`python -m minillm generate | serve | doctor`: the course's command line."""
 
 from __future__ import annotations
 
@@ -41,6 +41,21 @@ def _generate(args: argparse.Namespace) -> None:
         print(out)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from minillm.engine.server import serve
+
+    serve(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+    )
+
+
 def _doctor(_args: argparse.Namespace) -> None:
     from minillm.doctor import main as doctor_main
 
@@ -65,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-token-ids", action="store_true", help="print the generated ids as a last line"
     )
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server (bundled model by default)")
+    srv.add_argument("--model", default=None, help="checkpoint directory or hub id")
+    srv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the name clients send")
+    srv.add_argument("--device", default=None, help="cpu, cuda, mps (default: cuda if present)")
+    srv.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per step")
+    srv.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default: all full-length)"
+    )
+    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    srv.set_defaults(func=_serve)
 
     doc = sub.add_parser("doctor", help="check packages, device and what each chapter can run")
     doc.set_defaults(func=_doctor)

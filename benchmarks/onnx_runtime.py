@@ -1,0 +1,327 @@
+"""Chapter 03 benchmark: PyTorch eager vs ONNX Runtime (each optimisation level, int8) on CPU.
+
+    python benchmarks/onnx_runtime.py [--quick] [--no-smol] [--threads N] [--json results.json]
+
+For each model, the decoder-step graph (`minillm.onnx_export.export_decoder_step`) is
+exported once and serves both phases, as it does in generation:
+
+(a) file sizes: the PyTorch state dict (`torch.save`, .pt), safetensors, the fp32 .onnx
+    and ORT's dynamic int8 .onnx (`quantize_int8`).
+(b) graph: node count at each ORT level (ORT_DISABLE_ALL / BASIC / EXTENDED / ALL), from
+    the optimised graph ORT saves (`optimized_model_filepath`).
+(c) speed: a prefill of `--prefill` tokens (empty past) and a decode step after a past
+    of `--past` tokens (8 of them per timed call), batch 1, on the same inputs: minillm
+    eager (with its KVCache) vs ORT at each level vs ORT int8 (level ALL). All variants
+    are timed in alternation in the same rounds; a ratio is the median over rounds of
+    eager's time / the variant's time (> 1: faster than eager). torch and ORT both use
+    `--threads` threads.
+(d) quality of int8 (bundled model only, trained weights): held-out perplexity of
+    PyTorch, ORT fp32 and ORT int8, and int8's next-token agreement with fp32.
+
+Models: the bundled model (1.3M parameters), and unless --no-smol a random-weight model
+with SmolLM2-135M's shapes (speed depends on shapes, not on what the weights learned;
+its export takes minutes and ~3.5 GB of memory). Ends with one `SUMMARY onnx` line per
+model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+from minillm import load_model, load_tokenizer  # noqa: E402
+from minillm.configs import SMOLLM2_135M, random_model  # noqa: E402
+from minillm.evaluate import held_out_ids, next_token_agreement, perplexity  # noqa: E402
+from minillm.kv_cache import KVCache  # noqa: E402
+from minillm.measure import format_bytes, paired_ratios, time_samples  # noqa: E402
+from minillm.model import Transformer  # noqa: E402
+from minillm.onnx_export import (  # noqa: E402
+    LEVELS,
+    OrtDecoder,
+    export_decoder_step,
+    op_counts,
+    ort_logits_fn,
+    ort_session,
+    quantize_int8,
+)
+from minillm.weights import save_model  # noqa: E402
+
+SEED = 0
+EAGER = "torch eager"
+
+
+def export(model: Transformer, out_dir: Path) -> dict[str, Path]:
+    """The decoder-step graph in fp32 and int8, plus the .pt and safetensors files."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fp32 = export_decoder_step(model, out_dir / "step.onnx")
+    paths = {"onnx": fp32, "onnx int8": quantize_int8(fp32, out_dir / "step_int8.onnx")}
+    torch.save(model.state_dict(), out_dir / "model.pt")
+    paths["pt"] = out_dir / "model.pt"
+    paths["safetensors"] = save_model(model, out_dir / "hf") / "model.safetensors"
+    return paths
+
+
+def file_sizes(paths: dict[str, Path]) -> dict[str, int]:
+    """Bytes of each file, keyed as in `export` (pt, safetensors, onnx, onnx int8)."""
+    return {k: paths[k].stat().st_size for k in ("pt", "safetensors", "onnx", "onnx int8")}
+
+
+def node_counts(path: Path, out_dir: Path) -> dict[str, int]:
+    """Nodes in the graph ORT runs at each optimisation level."""
+    counts = {}
+    for level in LEVELS:
+        saved = out_dir / f"step_{level}.onnx"
+        ort_session(path, level, optimized_path=saved)
+        counts[level] = sum(op_counts(saved).values())
+    return counts
+
+
+def sessions(paths: dict[str, Path], threads: int) -> dict[str, Any]:
+    """One ORT session per level for the fp32 graph, and int8 at level ALL."""
+    out = {f"ORT {level}": ort_session(paths["onnx"], level, threads) for level in LEVELS}
+    out["ORT int8"] = ort_session(paths["onnx int8"], "all", threads)
+    return out
+
+
+def phase_fns(
+    model: Transformer, sess: dict[str, Any], prefill: int, past: int, steps: int = 8
+) -> dict[str, dict[str, Callable[[], Any]]]:
+    """Callables for one prefill of `prefill` tokens, and for `steps` decode steps (each
+    the same step after `past` tokens: a single one is too short to time reliably),
+    batch 1, same token ids for every variant. Each returns its (last) logits."""
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, model.config.vocab_size, (1, max(prefill, past + 1)), generator=g)
+    pre, ctx, last = ids[:, :prefill], ids[:, :past], ids[:, past : past + 1]
+    pos = torch.tensor([[past]])
+    cache = KVCache(model.config, 1, max(prefill, past + 1))
+    with torch.inference_mode():
+        cache.kv_len = past
+        model(ctx, cache=cache)
+    cache.kv_len = past + 1
+
+    @torch.inference_mode()
+    def eager_prefill() -> torch.Tensor:
+        cache.kv_len = prefill
+        out = model(pre, cache=cache)[:, -1]
+        cache.kv_len = past + 1
+        return out
+
+    @torch.inference_mode()
+    def eager_decode() -> torch.Tensor:
+        for _ in range(steps):  # each step rewrites slot `past`: the same work every time
+            out = model(last, pos, cache=cache)[:, -1]
+        return out
+
+    fns: dict[str, dict[str, Callable[[], Any]]] = {
+        "prefill": {EAGER: eager_prefill},
+        "decode": {EAGER: eager_decode},
+    }
+    pre_np = pre.numpy()
+    pre_mask = np.ones_like(pre_np)
+    step_ids, step_pos = last.numpy(), pos.numpy()
+    step_mask = np.ones((1, past + 1), np.int64)
+    for name, session in sess.items():
+        dec = OrtDecoder(session)
+        ctx_np = ctx.numpy()
+        _, past_kv = dec.step(
+            ctx_np, np.arange(past)[None], np.ones_like(ctx_np), dec.empty_past(1)
+        )
+        empty = dec.empty_past(1)
+
+        def ort_prefill(dec=dec, empty=empty) -> Any:
+            return dec.step(pre_np, pre_mask.cumsum(1) - 1, pre_mask, empty)[0]
+
+        def ort_decode(dec=dec, past_kv=past_kv) -> Any:
+            for _ in range(steps):
+                out = dec.step(step_ids, step_pos, step_mask, past_kv)[0]
+            return out
+
+        fns["prefill"][name], fns["decode"][name] = ort_prefill, ort_decode
+    return fns
+
+
+def check_outputs(fns: dict[str, dict[str, Callable[[], Any]]]) -> dict[str, float]:
+    """Largest |logit - eager logit| of each fp32 variant, over both phases."""
+    worst: dict[str, float] = {}
+    for phase in fns.values():
+        ref = phase[EAGER]().numpy()
+        for name, fn in phase.items():
+            if name not in (EAGER, "ORT int8"):
+                diff = float(np.abs(np.asarray(fn())[:, -1] - ref).max())
+                worst[name] = max(worst.get(name, 0.0), diff)
+    return worst
+
+
+def speed(
+    fns: dict[str, dict[str, Callable[[], Any]]], repeats: int, warmup: int = 3
+) -> dict[str, dict[str, float]]:
+    """Per phase: each variant's speed-up over eager (eager time / its time, paired
+    median over rounds in which all variants ran in alternation)."""
+    out = {}
+    for phase, phase_fns_ in fns.items():
+        samples = time_samples(phase_fns_, repeats=repeats, warmup=warmup)
+        ratios = paired_ratios(samples, EAGER)
+        out[phase] = {name: 1 / r for name, r in ratios.items()}
+        out[phase + "_ms"] = {n: statistics.median(s) * 1e3 for n, s in samples.items()}
+    return out
+
+
+def quality(model: Transformer, paths: dict[str, Path], max_windows: int) -> dict[str, float]:
+    """Held-out perplexity (PyTorch, ORT fp32, ORT int8) and int8's next-token agreement."""
+    ids = held_out_ids(load_tokenizer())
+    window = model.config.max_position_embeddings
+    fp32 = ort_logits_fn(ort_session(paths["onnx"]))
+    int8 = ort_logits_fn(ort_session(paths["onnx int8"]))
+    kw = dict(window=window, batch_size=4, max_windows=max_windows)
+    return {
+        "ppl_torch": perplexity(model, ids, **kw),
+        "ppl_ort_fp32": perplexity(fp32, ids, **kw),
+        "ppl_ort_int8": perplexity(int8, ids, **kw),
+        "agreement_int8": next_token_agreement(fp32, int8, ids, **kw),
+        "tokens": max_windows * window,
+    }
+
+
+def run_model(
+    name: str,
+    model: Transformer,
+    out_dir: Path,
+    prefill: int,
+    past: int,
+    threads: int,
+    repeats: int,
+    max_windows: int | None,
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    paths = export(model, out_dir)
+    result: dict[str, Any] = {"model": name, "params": model.num_parameters()}
+    result["export_s"] = time.perf_counter() - t0
+    result["sizes"] = file_sizes(paths)
+    result["nodes"] = node_counts(paths["onnx"], out_dir)
+    fns = phase_fns(model, sessions(paths, threads), prefill, past)
+    result["max_abs_diff"] = check_outputs(fns)
+    result["speed"] = speed(fns, repeats)
+    if max_windows:
+        result["quality"] = quality(model, paths, max_windows)
+    result["prefill"], result["past"] = prefill, past
+    print_result(result)
+    return result
+
+
+def print_result(r: dict[str, Any]) -> None:
+    print(f"\n== {r['model']}: {r['params']:,} parameters (export + int8: {r['export_s']:.0f} s)")
+    sizes = r["sizes"]
+    print("(a) file sizes: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sizes.items()))
+    print(f"    .onnx / .safetensors = {sizes['onnx'] / sizes['safetensors']:.2f}x, ", end="")
+    print(f".onnx / .pt = {sizes['onnx'] / sizes['pt']:.2f}x, int8 / fp32 .onnx = ", end="")
+    print(f"{sizes['onnx int8'] / sizes['onnx']:.2f}x")
+    print("(b) nodes ORT runs: " + ", ".join(f"{k} {v}" for k, v in r["nodes"].items()))
+    worst = ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_diff"].items())
+    print(f"    max |logit - eager| (fp32 graphs): {worst}")
+    print("(c) speed-up over eager (eager time / time; > 1 = faster), batch 1, same inputs")
+    pre, dec = f"prefill {r['prefill']}", f"decode @{r['past']}"
+    print(f"    {'variant':<16} {pre:>12} {dec:>12}")
+    for name, ratio in r["speed"]["prefill"].items():
+        print(f"    {name:<16} {ratio:>11.2f}x {r['speed']['decode'][name]:>11.2f}x")
+    if "quality" in r:
+        q = r["quality"]
+        print(
+            f"(d) held-out perplexity over {q['tokens']:,} tokens: torch {q['ppl_torch']:.3f}, ",
+            end="",
+        )
+        print(
+            f"ORT fp32 {q['ppl_ort_fp32']:.3f}, ORT int8 {q['ppl_ort_int8']:.3f}; int8 top-1 ",
+            end="",
+        )
+        print(f"agreement with fp32 {q['agreement_int8']:.1%}")
+
+
+def summary(r: dict[str, Any], threads: int) -> str:
+    s, sz = r["speed"], r["sizes"]
+    line = (
+        f"SUMMARY onnx {r['model']}: ORT all vs eager {s['prefill']['ORT all']:.2f}x prefill"
+        f"{r['prefill']}, {s['decode']['ORT all']:.2f}x decode@{r['past']}; ORT disable "
+        f"{s['prefill']['ORT disable']:.2f}x/{s['decode']['ORT disable']:.2f}x; int8 "
+        f"{s['prefill']['ORT int8']:.2f}x/{s['decode']['ORT int8']:.2f}x; nodes "
+        f"{r['nodes']['disable']}->{r['nodes']['all']}; sizes pt {format_bytes(sz['pt'])}, "
+        f"safetensors {format_bytes(sz['safetensors'])}, onnx {format_bytes(sz['onnx'])}, "
+        f"int8 {format_bytes(sz['onnx int8'])}"
+    )
+    if "quality" in r:
+        q = r["quality"]
+        line += (
+            f"; ppl fp32 {q['ppl_ort_fp32']:.2f} int8 {q['ppl_ort_int8']:.2f}, "
+            f"agreement {q['agreement_int8']:.1%}"
+        )
+    return line + f"; {threads} thread(s)"
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and windows")
+    ap.add_argument("--no-smol", action="store_true", help="skip the SmolLM2-135M-shaped model")
+    ap.add_argument("--threads", type=int, default=1, help="torch and ORT intra-op threads")
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--past", type=int, default=128)
+    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import onnxruntime
+
+    print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, ", end="")
+    print(f"{args.threads} thread(s), quick={args.quick}")
+    t0 = time.perf_counter()
+    repeats = 10 if args.quick else 30
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundled = load_model()
+        results.append(
+            run_model(
+                "bundled",
+                bundled,
+                Path(tmp) / "bundled",
+                args.prefill,
+                args.past,
+                args.threads,
+                repeats,
+                max_windows=8 if args.quick else 32,
+            )
+        )
+        if not args.no_smol:
+            smol = random_model(SMOLLM2_135M)
+            results.append(
+                run_model(
+                    "SmolLM2-135M shape (random)",
+                    smol,
+                    Path(tmp) / "smol",
+                    args.prefill,
+                    args.past,
+                    args.threads,
+                    max(repeats // 3, 5),
+                    max_windows=None,
+                )
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    for r in results:
+        print(summary(r, args.threads))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""Chapter 08 benchmark: continuous batching vs static batching vs HF `generate`, offline
+and online, with vLLM `bench serve`'s metrics.
+
+    python benchmarks/serving.py [--quick] [--requests N] [--no-online] [--json out.json]
+
+Workload (the same requests for every system): `--requests` prompts (default 128) cut
+from the bundled model's held-out text, prompt lengths uniform in [8, 64] tokens, output
+lengths log-normal with median 32 tokens and sigma 0.8, clipped to [4, 160], EOS
+ignored, greedy. Seeded: the same draw every run.
+
+(a) Offline throughput, one process: minillm continuous batching (`Engine`, up to
+    `--batch` sequences), the static-batching baseline (same engine, fixed batches of
+    `--batch` that wait for their longest request) and transformers `generate` with
+    left padding in batches of `--batch` (each batch runs to its longest output). The
+    three are timed interleaved, round-robin, and the result is the median paired time
+    ratio. Also per-mode slot utilisation (mean running sequences per decode step /
+    batch) and the latency metrics of the continuous run (all requests arrive at t=0).
+(b) Online: `minillm` served over HTTP in a subprocess; an asyncio client streams each
+    request (prompt token ids, `/v1/completions`) with Poisson arrivals at a few rates
+    (fractions of the offline request throughput, plus all-at-once) and measures, as
+    vLLM's `bench serve` defines them: TTFT (send -> first token), TPOT ((E2E - TTFT) /
+    (output tokens - 1)), ITL (gaps between streamed chunks), E2E latency, request and
+    output-token throughput; p50 and p99.
+
+The last lines are `SUMMARY serving-offline:` and `SUMMARY serving-online:`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+from minillm import load_model, load_tokenizer  # noqa: E402
+from minillm.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
+from minillm.evaluate import held_out_ids  # noqa: E402
+from minillm.measure import paired_ratios, time_samples  # noqa: E402
+from minillm.weights import BUNDLED_DIR  # noqa: E402
+
+SEED = 0
+
+
+# ------------------------------------------------------------------------ the workload
+def make_workload(tokenizer, n: int = 128, seed: int = SEED) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs: prompts U[8, 64] tokens of held-out text,
+    outputs log-normal (median 32, sigma 0.8) clipped to [4, 160]."""
+    rng = random.Random(seed)
+    text = held_out_ids(tokenizer).tolist()
+    work = []
+    for _ in range(n):
+        length = rng.randint(8, 64)
+        start = rng.randrange(len(text) - length)
+        out = min(max(round(math.exp(rng.gauss(math.log(32), 0.8))), 4), 160)
+        work.append((text[start : start + length], out))
+    return work
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------ (a) offline
+def run_engine(model, tokenizer, work, batch: int = 32, static: bool = False, trace=False):
+    """Run the workload to completion; (outputs in order, engine) for inspection."""
+    engine = Engine(model, tokenizer, max_num_seqs=batch, static=static)
+    engine.trace = [] if trace else None
+    for prompt, n in work:
+        engine.add_request(prompt, greedy(n))
+    return engine.run_to_completion(), engine
+
+
+def slot_utilisation(engine: Engine, batch: int) -> float:
+    """Mean running sequences per decode step over the batch size (needs engine.trace)."""
+    decodes = [len(ids) for _, prefill, ids, _ in engine.trace if not prefill]
+    return sum(decodes) / (len(decodes) * batch)
+
+
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def run_hf(model, work, batch: int = 32, pad_id: int = 0) -> list[list[int]]:
+    """transformers `generate`, batches of `batch` left-padded prompts, each batch run to
+    its longest output (min_new_tokens = max_new_tokens: EOS ignored); outputs cut to
+    each request's length."""
+    outs = []
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, (p, _) in enumerate(chunk):
+            ids[b, width - len(p) :], mask[b, width - len(p) :] = torch.tensor(p), 1
+        longest = max(n for _, n in chunk)
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        outs += [gen[b, width : width + n].tolist() for b, (_, n) in enumerate(chunk)]
+    return outs
+
+
+def decode_step_cost(model, tokenizer, sizes=(1, 4, 16, 32), repeats: int = 20) -> dict:
+    """Seconds of one engine decode step with B running sequences (32-token prompts),
+    relative to B = 1, interleaved: how much a bigger batch costs per step on this
+    machine. Batching pays when this grows much slower than B."""
+    engines = {}
+    for b in sizes:
+        engine = Engine(model, tokenizer, max_num_seqs=b)
+        for i in range(b):
+            engine.add_request([(7 * i + j) % 4000 + 1 for j in range(32)], greedy(200))
+        engine.step()  # the prefill
+        engines[b] = engine
+    fns = {f"B={b}": engines[b].step for b in sizes}
+    samples = time_samples(fns, repeats=repeats, warmup=2)
+    return {
+        "seconds": {k: statistics.median(v) for k, v in samples.items()},
+        "relative": paired_ratios(samples, f"B={sizes[0]}"),
+    }
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    if not xs:
+        return {"p50": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    pick = lambda q: xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99), "mean": statistics.fmean(xs)}
+
+
+def engine_latencies(outs: list[RequestOutput]) -> dict[str, dict[str, float]]:
+    """TTFT, TPOT, ITL, E2E (seconds) from the engine's own timestamps."""
+    ttft, tpot, itl, e2e = [], [], [], []
+    for o in outs:
+        m = o.metrics
+        ttft.append(m.first_token_time - m.arrival_time)
+        e2e.append(m.finished_time - m.arrival_time)
+        n = len(o.outputs[0].token_ids)
+        if n > 1:
+            tpot.append((m.token_times[-1] - m.first_token_time) / (n - 1))
+        itl += [b - a for a, b in zip(m.token_times, m.token_times[1:], strict=False)]
+    return {k: percentiles(v) for k, v in dict(ttft=ttft, tpot=tpot, itl=itl, e2e=e2e).items()}
+
+
+def offline(model, tokenizer, work, batch: int = 32, repeats: int = 3, hf=None) -> dict[str, Any]:
+    """(a): interleaved timing of the three systems on the same requests."""
+    results: dict[str, Any] = {}
+
+    def continuous():
+        results["continuous"] = run_engine(model, tokenizer, work, batch, trace=True)
+
+    def static():
+        results["static"] = run_engine(model, tokenizer, work, batch, static=True, trace=True)
+
+    fns = {"continuous": continuous, "static": static}
+    if hf is not None:
+        fns["hf"] = lambda: results.__setitem__("hf", run_hf(hf, work, batch))
+    samples = time_samples(fns, repeats=repeats, warmup=0)
+    ratios = paired_ratios(samples, "continuous")  # time of X / time of continuous
+    cont_outs, cont_engine = results["continuous"]
+    static_outs, static_engine = results["static"]
+    tokens = [o.outputs[0].token_ids for o in cont_outs]
+    assert tokens == [o.outputs[0].token_ids for o in static_outs], "static != continuous"
+    out_tokens = sum(n for _, n in work)
+    seconds = statistics.median(samples["continuous"])
+    report = {
+        "requests": len(work),
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(len(p) for p, _ in work),
+        "batch": batch,
+        "continuous_tok_s": out_tokens / seconds,
+        "continuous_req_s": len(work) / seconds,
+        "speedup_vs_static": ratios["static"],
+        "steps": {"continuous": cont_engine.num_steps, "static": static_engine.num_steps},
+        "prefill_steps": {
+            "continuous": sum(p for _, p, *_ in cont_engine.trace),
+            "static": sum(p for _, p, *_ in static_engine.trace),
+        },
+        "utilisation": {
+            "continuous": slot_utilisation(cont_engine, batch),
+            "static": slot_utilisation(static_engine, batch),
+        },
+        "latency_continuous": engine_latencies(cont_outs),
+        "latency_static": engine_latencies(static_outs),
+    }
+    if hf is not None:
+        report["speedup_vs_hf"] = ratios["hf"]
+        same = sum(a == b for a, b in zip(results["hf"], tokens, strict=True))
+        report["hf_same_tokens"] = same / len(work)  # left padding changes numerics a little
+    return report
+
+
+# ------------------------------------------------------------------------ (b) online
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, batch: int) -> subprocess.Popen:
+    """`minillm` serving the bundled model in a subprocess (one intra-op thread)."""
+    code = (
+        "import torch; torch.set_num_threads(1); from minillm.engine.server import serve; "
+        f"serve(port={port}, log_level='warning', max_num_seqs={batch})"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    import httpx
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not start within 120 s")
+
+
+async def one_request(client, url: str, prompt: list[int], n: int) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    body.update(stream=True, stream_options={"include_usage": True})
+    start = time.perf_counter()
+    times, tokens = [], 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"start": start, "times": times, "end": end, "tokens": tokens}
+
+
+async def poisson_run(url: str, work, rate: float, seed: int = SEED) -> dict[str, Any]:
+    """Send the workload with exponential gaps of mean 1/rate (inf: all at once)."""
+    import httpx
+
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as c:
+        tasks, t0 = [], time.perf_counter()
+        for prompt, n in work:
+            tasks.append(asyncio.create_task(one_request(c, url, prompt, n)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        done = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    ttft = [d["times"][0] - d["start"] for d in done if d["times"]]
+    e2e = [d["end"] - d["start"] for d in done]
+    tpot = [(d["end"] - d["times"][0]) / (d["tokens"] - 1) for d in done if d["tokens"] > 1]
+    itl = [b - a for d in done for a, b in zip(d["times"], d["times"][1:], strict=False)]
+    out_tokens = sum(d["tokens"] for d in done)
+    return {
+        "rate": rate,
+        "requests": len(done),
+        "req_s": len(done) / wall,
+        "output_tok_s": out_tokens / wall,
+        **{k: percentiles(v) for k, v in dict(ttft=ttft, tpot=tpot, itl=itl, e2e=e2e).items()},
+    }
+
+
+def run_async(coro) -> Any:
+    """asyncio.run, also from inside a running loop (Jupyter): then on a fresh thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def online(work, rates: list[float], batch: int = 32) -> list[dict[str, Any]]:
+    port = free_port()
+    proc = start_server(port, batch)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        run_async(poisson_run(url, work[:4], math.inf))  # warm-up
+        return [run_async(poisson_run(url, work, rate)) for rate in rates]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------ report
+def ms(x: float) -> str:
+    return f"{1000 * x:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="48 requests, batch 16, 1 round")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="default 32 (quick: 16)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-online", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.requests or (48 if args.quick else 128)
+    args.batch = args.batch or (16 if args.quick else 32)
+    repeats = args.repeats or (1 if args.quick else 3)
+    model, tokenizer = load_model(), load_tokenizer()
+    work = make_workload(tokenizer, n)
+    hf = None if args.no_hf else hf_model()
+    print(
+        f"workload: {n} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+        f"{sum(k for _, k in work)} output tokens; batch {args.batch}; torch threads "
+        f"{args.threads}; {repeats} interleaved round(s)"
+    )
+    off = offline(model, tokenizer, work, args.batch, repeats, hf)
+    print("\n(a) offline")
+    print(
+        f"  continuous: {off['continuous_tok_s']:.0f} output tok/s, "
+        f"{off['steps']['continuous']} steps ({off['prefill_steps']['continuous']} prefill), "
+        "slot utilisation "
+        f"{off['utilisation']['continuous']:.0%}"
+    )
+    print(
+        f"  static:     {off['speedup_vs_static']:.2f}x the time of continuous, "
+        f"{off['steps']['static']} steps ({off['prefill_steps']['static']} prefill), "
+        f"slot utilisation {off['utilisation']['static']:.0%}"
+    )
+    cost = decode_step_cost(model, tokenizer)
+    print(
+        "  decode step cost vs batch 1 (interleaved): "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in cost["relative"].items())
+    )
+    if hf is not None:
+        print(
+            f"  HF generate (padded batches): {off['speedup_vs_hf']:.2f}x the time of "
+            f"continuous; same greedy tokens on {off['hf_same_tokens']:.0%} of requests"
+        )
+    for mode in ("continuous", "static"):
+        lat = off[f"latency_{mode}"]
+        print(
+            f"  {mode:10s} latency (all sent at t=0) p50/p99 ms: "
+            + ", ".join(f"{k.upper()} {ms(v['p50'])}/{ms(v['p99'])}" for k, v in lat.items())
+        )
+    summary = (
+        f"SUMMARY serving-offline: {n} requests, batch {args.batch}: continuous "
+        f"{off['continuous_tok_s']:.0f} tok/s = {off['speedup_vs_static']:.2f}x static"
+    )
+    if hf is not None:
+        summary += f", {off['speedup_vs_hf']:.2f}x HF generate (padded)"
+    summary += f"; decode step at B=32 costs {cost['relative']['B=32']:.1f}x B=1"
+    summary += (
+        f"; slot utilisation {off['utilisation']['static']:.0%} static -> "
+        f"{off['utilisation']['continuous']:.0%} continuous"
+    )
+    results: dict[str, Any] = {"offline": off, "decode_step_cost": cost}
+    online_summary = None
+    if not args.no_online:
+        capacity = off["continuous_req_s"]
+        fractions = [0.25, 1.0] if args.quick else [0.25, 0.5, 1.0]
+        rates = [f * capacity for f in fractions] + [math.inf]
+        print(f"\n(b) online, Poisson arrivals (offline capacity {capacity:.1f} req/s)")
+        rows = online(work, rates, args.batch)
+        results["online"] = rows
+        print(
+            "  rate req/s | done req/s | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 | "
+            "ITL p50/p99 | E2E p50/p99"
+        )
+        for r in rows:
+            print(
+                f"  {r['rate']:10.1f} | {r['req_s']:10.1f} | {r['output_tok_s']:9.0f} | "
+                + " | ".join(
+                    f"{ms(r[k]['p50'])}/{ms(r[k]['p99'])}" for k in ("ttft", "tpot", "itl", "e2e")
+                )
+            )
+        best = max(rows, key=lambda r: r["output_tok_s"])
+        low = rows[0]
+        online_summary = (
+            f"SUMMARY serving-online: at {low['rate']:.1f} req/s TTFT p50 {ms(low['ttft']['p50'])}"
+            f" ms, TPOT p50 {ms(low['tpot']['p50'])} ms; peak {best['output_tok_s']:.0f} "
+            f"out tok/s ({best['req_s']:.1f} req/s) with TTFT p99 {ms(best['ttft']['p99'])} ms"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print()
+    print(summary)
+    if online_summary:
+        print(online_summary)
+
+
+if __name__ == "__main__":
+    main()

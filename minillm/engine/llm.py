@@ -1,0 +1,107 @@
+"""vLLM's offline API on minillm: `LLM(model=None).generate(prompts, SamplingParams(...))`.
+
+Code written for vLLM's basic usage runs by changing the import:
+
+    from minillm.engine import LLM, SamplingParams
+    llm = LLM()  # the bundled model; or LLM(model="path/or/hub-id")
+    for out in llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20)):
+        print(out.prompt, out.outputs[0].text, out.outputs[0].finish_reason)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from minillm.engine.engine import Engine, RequestOutput
+from minillm.sampling import SamplingParams as BaseSamplingParams
+from minillm.weights import load_model, load_tokenizer
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """A model and an engine; `generate` runs a list of prompts to completion."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | None = None,
+        seed: int | None = None,  # accepted for vLLM compatibility; requests seed themselves
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,  # accepted; size the pool with num_blocks
+        **engine_kwargs,
+    ) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError("minillm runs on one device: use tensor_parallel_size=1")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model_name = model or "minillm-bundled"
+        self.tokenizer = load_tokenizer(model)
+        self.engine = Engine(load_model(model, device=device), self.tokenizer, **engine_kwargs)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: BaseSamplingParams | Sequence[BaseSamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the prompts' order. A prompt is a string, a
+        list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]} as in vLLM."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = sampling_params
+        if params is None or isinstance(params, BaseSamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one "
+                "per prompt"
+            )
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(_unwrap(prompt), sp))
+        except ValueError:  # one bad prompt: queue none of them
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        start, n_in, n_out = time.perf_counter(), 0, 0
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(
+                            f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                            f"output: {n_out / elapsed:.2f} toks/s"
+                        )
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in ids:  # interrupted: leave nothing queued
+                if request_id not in done:
+                    self.engine.abort(request_id)
+        return [done[r] for r in ids]
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return prompt

@@ -1,0 +1,603 @@
+"""Export minillm to ONNX and run it with ONNX Runtime: chapter 03.
+
+Public API (stable; chapter 04 builds on it):
+
+    export_forward(model, path, ...)         -> Path   input_ids -> logits
+    export_decoder_step(model, path, ...)    -> Path   one step with explicit past K/V
+    check_onnx(path, dynamic=...)            -> onnx.ModelProto   checker + dynamic axes
+    ort_session(path, level="all", threads=1, optimized_path=None, disabled_optimizers=())
+    ort_logits_fn(session)                   -> (ids [B, T] -> logits [B, T, V]) for evaluate
+    OrtDecoder(session).generate(prompts, params)   greedy / sampled generation on ORT
+    op_counts(path_or_proto)                 -> Counter of op types
+    quantize_int8(src, dst)                  -> Path   ORT dynamic int8 (weights int8)
+    UnsupportedOpError, FrozenAxisError      the two export pitfalls, named
+    export_module(module, args, path, ...)   torch.onnx.export of any module, pitfalls named
+    ConcatCache, ForwardGraph, DecoderStepGraph   the exported modules (model.py unchanged)
+    quiet()                                  context: silence exporter prints and warnings
+
+Two graphs:
+
+1. **forward** (`export_forward`): `input_ids [batch, sequence]` -> `logits [batch,
+   sequence, vocab]`, positions 0..T-1 and a causal mask built inside. What perplexity
+   needs, and what article A's example exports.
+2. **decoder step** (`export_decoder_step`): inputs `input_ids [batch, sequence]`,
+   `position_ids [batch, sequence]`, `attention_mask [batch, past_sequence + sequence]`
+   (int64, 1 = a real token, 0 = padding), and per layer i `past_key_i`, `past_value_i`
+   `[batch, kv_heads, past_sequence, head_dim]`; outputs `logits [batch, sequence,
+   vocab]` and `present_key_i`, `present_value_i` `[batch, kv_heads, past_sequence +
+   sequence, head_dim]` (past and new K/V concatenated, the same names as Hugging
+   Face's / Optimum's decoder graphs). One graph serves prefill (past_sequence = 0) and
+   decode (sequence = 1): the loop feeds each step's presents back as the next pasts.
+
+ONNX has no mutable buffers, so the pre-allocated `KVCache` of chapter 02 (written in
+place at each position) becomes `ConcatCache`: the same `update`/`causal_mask`
+interface, but `update` returns past ++ new and the graph outputs that as the present.
+
+Pitfalls, caught here with errors that name the fix:
+
+- an axis meant to be dynamic but exported as a constant (no `dynamic_shapes`, or, with
+  earlier torch versions, an example of size 1 that `torch.export` specialised): the
+  graph then rejects any other size. `export_forward` and `export_decoder_step` verify
+  every intended dynamic axis of the saved graph with `check_onnx`, which raises
+  `FrozenAxisError` naming the axis and the fix. (With torch 2.13 a 1-token example
+  exports this model correctly: tests/test_onnx_export.py checks that.)
+- an op with no ONNX translation (e.g. `torch.median`, `torch.erfinv`) fails deep in
+  the exporter; `export_module` re-raises it as `UnsupportedOpError` naming the op and
+  the two fixes (rewrite with supported ops, or `custom_translation_table`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from minillm.model import Transformer
+from minillm.sampling import SamplingParams, make_generator, sample
+
+LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimisation levels, in order
+FORWARD_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
+
+
+class FrozenAxisError(ValueError):
+    """An axis meant to be dynamic would be (or was) exported as a constant."""
+
+
+class UnsupportedOpError(RuntimeError):
+    """The exporter has no ONNX translation for an op the model uses."""
+
+
+# ---------------------------------------------------------------------------- the cache
+
+
+class ConcatCache:
+    """KVCache's interface for an exported graph: K/V arrive as inputs (`past`) and
+    leave as outputs (`presents`), past and new concatenated along the sequence axis.
+
+    `attention_mask [B, P + T]` marks real slots (1) and padding (0): a query at slot
+    P + t sees the real slots up to its own, and always itself (so a padding query's
+    softmax has a finite row instead of NaNs that would leak into later layers' V)."""
+
+    def __init__(
+        self, past_k: Sequence[torch.Tensor], past_v: Sequence[torch.Tensor], mask: torch.Tensor
+    ) -> None:
+        self.past_k, self.past_v, self.attention_mask = list(past_k), list(past_v), mask
+        self.present_k: list[torch.Tensor] = list(past_k)
+        self.present_v: list[torch.Tensor] = list(past_v)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [B, kv_heads, T, head_dim] to the layer's past; return all of it."""
+        self.present_k[layer] = torch.cat([self.past_k[layer], k.to(self.past_k[layer].dtype)], 2)
+        self.present_v[layer] = torch.cat([self.past_v[layer], v.to(self.past_v[layer].dtype)], 2)
+        return self.present_k[layer], self.present_v[layer]
+
+    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool [B, 1, T, P + T]: slot s is visible to query t if s <= P + t and s is real."""
+        T, S = positions.shape[1], self.attention_mask.shape[1]
+        slots = torch.arange(S, device=positions.device)
+        query_slots = torch.arange(T, device=positions.device) + (S - T)
+        causal = slots[None, :] <= query_slots[:, None]  # [T, S]
+        real = self.attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+        return (causal & real) | (slots[None, :] == query_slots[:, None])
+
+
+class ForwardGraph(nn.Module):
+    """input_ids -> logits: the model's plain causal forward, as one function to export."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+
+class DecoderStepGraph(nn.Module):
+    """(ids, positions, attention_mask, past K/V of every layer) -> (logits, presents)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, ...]:
+        cache = ConcatCache([k for k, _ in past], [v for _, v in past], attention_mask)
+        logits = self.model(input_ids, position_ids, cache=cache)
+        presents = [t for kv in zip(cache.present_k, cache.present_v, strict=True) for t in kv]
+        return (logits, *presents)
+
+
+# ------------------------------------------------------------------------------- export
+
+
+def step_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """Input and output names of the decoder-step graph for a model of `num_layers`."""
+    kv = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+    inputs = ["input_ids", "position_ids", "attention_mask", *(f"past_{n}" for n in kv)]
+    return inputs, ["logits", *(f"present_{n}" for n in kv)]
+
+
+def step_dynamic_axes(num_layers: int) -> dict[str, dict[int, str]]:
+    """Which axis of each decoder-step input/output is dynamic, and its name."""
+    inputs, outputs = step_names(num_layers)
+    axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "sequence"},
+        "position_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "total_sequence"},
+        "logits": {0: "batch", 1: "sequence"},
+    }
+    for name in inputs[3:]:
+        axes[name] = {0: "batch", 2: "past_sequence"}
+    for name in outputs[1:]:
+        axes[name] = {0: "batch", 2: "total_sequence"}
+    return axes
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence the exporter's (and ORT tools') progress prints and known-harmless warnings."""
+    names = ("", "torch", "torch.onnx", "torch.export", "torch.fx", "torch._dynamo", "onnxscript")
+    names += ("onnxruntime",)  # "": the root logger
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    # C++ code (the legacy exporter dumps its whole TorchScript graph on failure) writes
+    # to file descriptors 1 and 2 directly, holding the GIL: in Jupyter, whose kernel
+    # reads those through a pipe in a Python thread, ~64 KB of it deadlocks. /dev/null.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+_MISSING_OP = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'")
+
+
+def export_module(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    path: str | Path,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_shapes: Any = None,
+    dynamo: bool = True,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    opset_version: int | None = None,
+    unoptimized_path: str | Path | None = None,
+    **kwargs: Any,
+) -> Path:
+    """`torch.onnx.export` to one self-contained file, quietly, with the unsupported-op
+    failure re-raised as `UnsupportedOpError` naming the op and the fixes.
+    `unoptimized_path` (dynamo only) also saves the graph before the exporter's own
+    optimisation pass (constant folding, dead code and common subexpressions removed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options: dict[str, Any] = dict(
+        input_names=list(input_names), output_names=list(output_names), dynamo=dynamo
+    )
+    if opset_version is not None:
+        options["opset_version"] = opset_version
+    if dynamo:
+        options.update(dynamic_shapes=dynamic_shapes, external_data=False)
+        if unoptimized_path is not None:
+            options["optimize"] = False
+    else:
+        axes = {k: dict(v) for k, v in (dynamic_axes or {}).items()}
+        options.update(f=str(path), dynamic_axes=axes)
+    try:
+        with quiet(), torch.no_grad():
+            program = torch.onnx.export(module.eval(), args, **options, **kwargs)
+    except torch.onnx.OnnxExporterError as err:
+        match = _MISSING_OP.search(str(err))
+        if match is None:
+            raise
+        op = f"torch.ops.{match[1]}.{match[2]}"
+        raise UnsupportedOpError(
+            f"the ONNX exporter has no translation for {op}. Fix: rewrite that part of "
+            f"the model with ops ONNX has (e.g. sort/topk, where, matmul), or pass "
+            f"custom_translation_table={{{op}: <an onnxscript function>}} to "
+            "torch.onnx.export."
+        ) from err
+    if program is not None:  # the dynamo exporter returns the program; legacy writes `f`
+        if unoptimized_path is not None:
+            program.save(str(unoptimized_path))
+            with quiet():
+                program.optimize()
+        program.save(str(path))
+    return path
+
+
+@contextlib.contextmanager
+def sdpa_without_gqa() -> Iterator[None]:
+    """Make `F.scaled_dot_product_attention(..., enable_gqa=True)` repeat the kv heads
+    itself: the legacy (TorchScript) exporter has no translation for `enable_gqa`."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *args, enable_gqa: bool = False, **kwargs):
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            n_rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(n_rep, dim=-3), v.repeat_interleave(n_rep, dim=-3)
+        return original(q, k, v, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def export_forward(
+    model: Transformer,
+    path: str | Path,
+    example_ids: torch.Tensor | None = None,
+    dynamo: bool = True,
+    opset_version: int | None = None,
+    unoptimized_path: str | Path | None = None,
+) -> Path:
+    """Export input_ids [batch, sequence] -> logits [batch, sequence, vocab], both axes
+    dynamic. `dynamo=False` uses the legacy TorchScript exporter (`dynamic_axes`);
+    `unoptimized_path` also keeps the graph before the exporter's optimisation pass."""
+    if example_ids is None:
+        example_ids = torch.zeros(2, 8, dtype=torch.long)
+    # The legacy exporter cannot translate SDPA's enable_gqa: repeat the kv heads first.
+    with contextlib.nullcontext() if dynamo else sdpa_without_gqa():
+        export_module(
+            ForwardGraph(model),
+            (example_ids.to(model.lm_head.weight.device),),
+            path,
+            ["input_ids"],
+            ["logits"],
+            dynamic_shapes=({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},),
+            dynamo=dynamo,
+            dynamic_axes=FORWARD_AXES,
+            opset_version=opset_version,
+            unoptimized_path=unoptimized_path,
+        )
+    _add_metadata(path, model, FORWARD_AXES)
+    check_onnx(path, dynamic=FORWARD_AXES)
+    return Path(path)
+
+
+def step_example(
+    model: Transformer, batch: int = 2, seq: int = 3, past: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Example inputs of the decoder-step graph (random past, all slots real)."""
+    cfg = model.config
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    positions = (torch.arange(seq, device=device) + past).expand(batch, seq).contiguous()
+    mask = torch.ones(batch, past + seq, dtype=torch.long, device=device)
+    shape = (batch, cfg.num_key_value_heads, past, cfg.head_dim)
+    kv = [
+        (
+            torch.randn(shape, dtype=dtype, device=device),
+            torch.randn(shape, dtype=dtype, device=device),
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    return ids, positions, mask, kv
+
+
+def export_decoder_step(
+    model: Transformer, path: str | Path, batch: int = 2, seq: int = 3, past: int = 4
+) -> Path:
+    """Export the decoder step (see the module docstring for its inputs and outputs)
+    with dynamic batch, sequence and past_sequence axes, traced on an example of the
+    given sizes; `check_onnx` then verifies that those axes stayed dynamic."""
+    n = model.config.num_hidden_layers
+    inputs, outputs = step_names(n)
+    axes = step_dynamic_axes(n)
+    example = step_example(model, batch, seq, past)
+    dim = torch.export.Dim.DYNAMIC
+    kv_shape = {0: dim, 2: dim}
+    dynamic_shapes = (
+        {0: dim, 1: dim},
+        {0: dim, 1: dim},
+        {0: dim, 1: dim},
+        [(kv_shape, kv_shape) for _ in range(n)],
+    )
+    export_module(DecoderStepGraph(model), example, path, inputs, outputs, dynamic_shapes)
+    _add_metadata(path, model, axes)
+    check_onnx(path, dynamic=axes)
+    return Path(path)
+
+
+def _add_metadata(
+    path: str | Path, model: Transformer, axes: Mapping[str, Mapping[int, str]]
+) -> None:
+    """Name the dynamic axes (the exporter calls them s0, s1, ...) and store what a
+    runtime needs besides the graph (EOS, context) in the ONNX file."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    rename: dict[str, str] = {}
+    for v in proto.graph.input:
+        for dim, axis in axes.get(v.name, {}).items():
+            d = v.type.tensor_type.shape.dim[dim]
+            if d.dim_param:
+                rename[d.dim_param] = axis
+    if rename:
+        symbol = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+        for v in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]:
+            for d in v.type.tensor_type.shape.dim:
+                if d.dim_param:
+                    d.dim_param = symbol.sub(lambda m: rename[m[1]], d.dim_param)
+    cfg = model.config
+    meta = {
+        "eos_token_id": cfg.eos_token_id,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+    for key, value in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = f"minillm.{key}", repr(value)
+    onnx.save(proto, str(path))
+
+
+def _dims(value_info: Any) -> list[int | str]:
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def graph_shapes(proto: Any) -> dict[str, list[int | str]]:
+    """Each graph input's and output's shape: ints for fixed axes, names for dynamic ones."""
+    return {v.name: _dims(v) for v in [*proto.graph.input, *proto.graph.output]}
+
+
+def check_onnx(
+    path: str | Path | Any, dynamic: Mapping[str, Mapping[int, str]] | None = None
+) -> Any:
+    """Run `onnx.checker` on the file and check that each axis in `dynamic` ({name: {dim:
+    axis}}) is symbolic in the graph; raise `FrozenAxisError` naming any that is fixed."""
+    import onnx
+
+    proto = onnx.load(str(path)) if isinstance(path, (str, Path)) else path
+    onnx.checker.check_model(proto, full_check=True)
+    shapes = graph_shapes(proto)
+    for name, axes in (dynamic or {}).items():
+        if name not in shapes:
+            raise ValueError(f"no graph input or output named {name!r}; have {sorted(shapes)}")
+        for dim, axis in axes.items():
+            if isinstance(shapes[name][dim], int):
+                raise FrozenAxisError(
+                    f"{name} dim {dim} ({axis}) is fixed at {shapes[name][dim]} in the exported "
+                    f"graph (shape {shapes[name]}): mark it dynamic when exporting "
+                    "(dynamic_shapes with Dim.DYNAMIC for dynamo=True, dynamic_axes for "
+                    "dynamo=False); if it was marked, export with an example of size >= 2 on it."
+                )
+    return proto
+
+
+def op_counts(path_or_proto: str | Path | Any) -> Counter[str]:
+    """How many nodes of each op type the graph has (domain-prefixed if not ONNX's own)."""
+    import onnx
+
+    proto = (
+        onnx.load(str(path_or_proto)) if isinstance(path_or_proto, (str, Path)) else path_or_proto
+    )
+    return Counter(
+        f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+        for n in proto.graph.node
+    )
+
+
+# -------------------------------------------------------------------------- onnxruntime
+
+
+def ort_session(
+    path: str | Path,
+    level: str = "all",
+    threads: int = 1,
+    optimized_path: str | Path | None = None,
+    disabled_optimizers: Sequence[str] = (),
+) -> Any:
+    """A CPU InferenceSession at graph optimisation `level` (disable / basic / extended /
+    all), `threads` intra-op threads; `optimized_path` saves the optimised graph."""
+    import onnxruntime as ort
+
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if level not in levels:
+        raise ValueError(f"level={level!r}: use one of {', '.join(LEVELS)}")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = levels[level]
+    opts.intra_op_num_threads = opts.inter_op_num_threads = threads
+    opts.log_severity_level = 3  # errors only
+    if optimized_path is not None:
+        opts.optimized_model_filepath = str(optimized_path)
+    return ort.InferenceSession(
+        str(path),
+        opts,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=list(disabled_optimizers),
+    )
+
+
+def ort_logits_fn(session: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids [B, T] -> logits [B, T, vocab] through a session of either graph (a decoder
+    step runs as a prefill: empty past, no padding), for `minillm.evaluate.perplexity`
+    / `next_token_agreement`."""
+    is_step = any(i.name == "attention_mask" for i in session.get_inputs())
+    decoder = OrtDecoder(session) if is_step else None
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        x = ids.cpu().numpy().astype(np.int64)
+        if decoder is None:
+            return torch.from_numpy(session.run(["logits"], {"input_ids": x})[0])
+        mask = np.ones_like(x)
+        out, _ = decoder.step(x, mask.cumsum(1) - 1, mask, decoder.empty_past(len(x)))
+        return torch.from_numpy(out)
+
+    return logits
+
+
+def _metadata(session: Any) -> dict[str, Any]:
+    import ast
+
+    props = session.get_modelmeta().custom_metadata_map
+    return {
+        k.removeprefix("minillm."): ast.literal_eval(v)
+        for k, v in props.items()
+        if k.startswith("minillm.")
+    }
+
+
+class OrtDecoder:
+    """Generation on ONNX Runtime with a decoder-step graph: the K/V tensors live in
+    numpy arrays the loop carries from one `run` to the next.
+
+    Prompts of different lengths are left-padded: every row's last prompt token sits
+    in the last slot, padding slots are masked by `attention_mask`, and each row's
+    positions count only its real tokens, so row b sees exactly what it would alone."""
+
+    def __init__(self, session: Any, eos_token_id: int | list[int] | None = None) -> None:
+        self.session = session
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.num_layers = sum(name.startswith("past_key_") for name in inputs)
+        if "attention_mask" not in inputs or self.num_layers == 0:
+            raise ValueError(
+                "not a decoder-step graph (needs attention_mask and past_key_i inputs): "
+                "export it with export_decoder_step"
+            )
+        _, kv_heads, _, head_dim = inputs["past_key_0"].shape
+        self.kv_heads, self.head_dim = int(kv_heads), int(head_dim)
+        meta = _metadata(session)
+        self.eos = eos_token_id if eos_token_id is not None else meta.get("eos_token_id")
+        self.max_positions = meta.get("max_position_embeddings")
+        self.dtype = np.float16 if "float16" in inputs["past_key_0"].type else np.float32
+
+    def empty_past(self, batch: int) -> list[np.ndarray]:
+        """Past K/V with 0 slots for every layer (key, value, key, value, ...)."""
+        shape = (batch, self.kv_heads, 0, self.head_dim)
+        return [np.zeros(shape, self.dtype) for _ in range(2 * self.num_layers)]
+
+    def step(
+        self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, past: list[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One graph run: logits [B, T, vocab] and the presents (next step's pasts)."""
+        names, _ = step_names(self.num_layers)
+        feed = dict(zip(names, [ids, positions, mask, *past], strict=True))
+        logits, *presents = self.session.run(None, feed)
+        return logits, presents
+
+    def prefill(
+        self, prompts: list[list[int]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Left-pad and run the prompts: (last logits [B, vocab], next positions [B],
+        attention mask [B, longest], presents)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: give at least one token per prompt")
+        longest = max(len(p) for p in prompts)
+        ids = np.zeros((len(prompts), longest), np.int64)
+        mask = np.zeros((len(prompts), longest), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, longest - len(p) :], mask[b, longest - len(p) :] = p, 1
+        positions = np.maximum(mask.cumsum(1) - 1, 0)
+        logits, past = self.step(ids, positions, mask, self.empty_past(len(prompts)))
+        return logits[:, -1], positions[:, -1] + 1, mask, past
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Generated ids per prompt, as `minillm.generate` samples them: greedy, or each
+        row from its own RNG seeded with `params.seed`; stops at EOS / stop tokens."""
+        longest = max((len(p) for p in prompts), default=0)
+        if self.max_positions is not None and longest + params.max_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_positions} positions"
+            )
+        logits, positions, mask, past = self.prefill(prompts)
+        eos = [] if self.eos is None or params.ignore_eos else self.eos
+        stops = {*([eos] if isinstance(eos, int) else eos), *params.stop_token_ids}
+        generators = [make_generator(params.seed) for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for i in range(params.max_tokens):
+            rows = torch.from_numpy(logits)
+            if params.greedy:
+                tokens = rows.argmax(-1)
+            else:
+                tokens = torch.cat(
+                    [sample(rows[b : b + 1], params, g) for b, g in enumerate(generators)]
+                )
+            for b, token in enumerate(tokens.tolist()):
+                if not done[b]:
+                    out[b].append(token)
+                    done[b] = token in stops
+            if all(done) or i == params.max_tokens - 1:
+                break
+            mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+            step_logits, past = self.step(tokens.numpy()[:, None], positions[:, None], mask, past)
+            logits, positions = step_logits[:, -1], positions + 1
+        return out
+
+
+# ------------------------------------------------------------------------- quantization
+
+
+def quantize_int8(src: str | Path, dst: str | Path, per_channel: bool = False) -> Path:
+    """ORT dynamic quantization: MatMul weights stored as int8 (per tensor, or per output
+    channel), activations quantized on the fly at each call. Returns `dst`."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with quiet():
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=per_channel)
+    return Path(dst)
