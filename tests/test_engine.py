@@ -11,6 +11,7 @@ from minillm import SamplingParams as BaseParams
 from minillm import generate, load_tokenizer
 from minillm.engine import LLM, Engine, SamplingParams
 from minillm.engine.engine import stop_text_holdback
+from minillm.kernels import triton_status
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,17 @@ def run(engine, prompts, params):
 def leaked(engine) -> bool:
     m = engine.manager
     return m.num_free_blocks != m.num_blocks or any(b.ref_count for b in m.blocks) or m.tables
+
+
+@pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1])
+def test_greedy_tokens_equal_generate_with_the_triton_decode_kernel(model, tok, prompts):
+    """Decode attention in the Triton paged kernel (the default on a GPU), blocks of 4."""
+    params = greedy(6)
+    alone = [generate(model, [p], params)[0] for p in prompts]
+    engine = Engine(model, tok, block_size=4, use_kernel=True)
+    assert engine.runner.cache.use_kernel
+    assert [o.outputs[0].token_ids for o in run(engine, prompts, params)] == alone
+    assert not leaked(engine)
 
 
 @pytest.mark.parametrize(

@@ -101,14 +101,19 @@ class Engine:
         max_num_batched_tokens: int = 2048,
         prefix_cache: bool = True,
         static: bool = False,
+        use_kernel: bool | None = None,
     ) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
+        if (
+            use_kernel is None
+        ):  # decode attention: Triton paged kernel on a GPU, PyTorch gather on CPU
+            use_kernel = model.lm_head.weight.is_cuda
         self.context = model.config.max_position_embeddings
         if num_blocks is None:  # every running sequence can reach the full context
             num_blocks = max_num_seqs * -(-self.context // block_size)
         self.manager = BlockManager(num_blocks, block_size, prefix_cache)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, static)
-        self.runner = ModelRunner(model, self.manager)
+        self.runner = ModelRunner(model, self.manager, use_kernel)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_steps = self.num_prompt_tokens = self.num_generated_tokens = 0

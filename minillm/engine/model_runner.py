@@ -15,12 +15,12 @@ from minillm.sampling import sample
 class ModelRunner:
     """Owns the K/V pool; `run(batch)` returns each sequence's last-position logits."""
 
-    def __init__(self, model: Transformer, manager: BlockManager) -> None:
+    def __init__(self, model: Transformer, manager: BlockManager, use_kernel: bool = False) -> None:
         self.model, self.manager = model, manager
         self.device = model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         self.cache = PagedKVCache(
-            model.config, manager.num_blocks, manager.block_size, dtype, self.device
+            model.config, manager.num_blocks, manager.block_size, dtype, self.device, use_kernel
         )
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
