@@ -98,19 +98,18 @@ def eager_decode_step(
     return model(tokens, positions, cache=cache)[:, -1]
 
 
-def decode(
-    model: Transformer,
-    cache: KVCache,
+def sample_loop(
     logits: torch.Tensor,
-    positions: torch.Tensor,
     params: SamplingParams,
-    step: Callable[[Transformer, KVCache, torch.Tensor, torch.Tensor], torch.Tensor],
+    step: Callable[[torch.Tensor], torch.Tensor],
+    stops: set[int],
+    generators: list[torch.Generator],
 ) -> list[list[int]]:
-    """Sample from `logits`, feed the tokens through `step`, repeat: each row stops at its
-    EOS / stop token or after max_tokens (finished rows ride along, their tokens unused)."""
-    generators = [make_generator(params.seed, positions.device) for _ in range(len(positions))]
-    stops, out = stop_ids(model, params), [[] for _ in range(len(positions))]
-    done = [False] * len(positions)
+    """Sample a token per row from `logits` [B, vocab], give the tokens [B] to `step` for the
+    next logits, repeat: each row stops at a stop token or after max_tokens (finished rows
+    ride along, their tokens unused). Every generation loop of the course (cached, compiled,
+    paged, ONNX Runtime) is this loop with its own `step`."""
+    out, done = [[] for _ in generators], [False] * len(generators)
     for i in range(params.max_tokens):
         tokens = _sample_rows(logits, params, generators)
         for b, token in enumerate(tokens.tolist()):
@@ -119,9 +118,28 @@ def decode(
                 done[b] = token in stops
         if all(done) or i == params.max_tokens - 1:
             break
+        logits = step(tokens)
+    return out
+
+
+def decode(
+    model: Transformer,
+    cache: KVCache,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    params: SamplingParams,
+    step: Callable[[Transformer, KVCache, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[list[int]]:
+    """`sample_loop` over a model step(model, cache, tokens [B, 1], positions [B, 1])."""
+    generators = [make_generator(params.seed, positions.device) for _ in range(len(positions))]
+
+    def next_logits(tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal positions
         logits = step(model, cache, tokens[:, None], positions[:, None])
         positions = positions + 1  # a new tensor: a compiled step may hold the old one
-    return out
+        return logits
+
+    return sample_loop(logits, params, next_logits, stop_ids(model, params), generators)
 
 
 @torch.inference_mode()

@@ -64,8 +64,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from minillm.generate import sample_loop
 from minillm.model import Transformer
-from minillm.sampling import SamplingParams, make_generator, sample
+from minillm.sampling import SamplingParams, make_generator
 
 LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimisation levels, in order
 FORWARD_AXES = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
@@ -568,26 +569,15 @@ class OrtDecoder:
         eos = [] if self.eos is None or params.ignore_eos else self.eos
         stops = {*([eos] if isinstance(eos, int) else eos), *params.stop_token_ids}
         generators = [make_generator(params.seed) for _ in prompts]
-        out: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        for i in range(params.max_tokens):
-            rows = torch.from_numpy(logits)
-            if params.greedy:
-                tokens = rows.argmax(-1)
-            else:
-                tokens = torch.cat(
-                    [sample(rows[b : b + 1], params, g) for b, g in enumerate(generators)]
-                )
-            for b, token in enumerate(tokens.tolist()):
-                if not done[b]:
-                    out[b].append(token)
-                    done[b] = token in stops
-            if all(done) or i == params.max_tokens - 1:
-                break
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal mask, past, positions
             mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
             step_logits, past = self.step(tokens.numpy()[:, None], positions[:, None], mask, past)
-            logits, positions = step_logits[:, -1], positions + 1
-        return out
+            positions = positions + 1
+            return torch.from_numpy(step_logits[:, -1])
+
+        return sample_loop(torch.from_numpy(logits), params, step, stops, generators)
 
 
 # ------------------------------------------------------------------------- quantization

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minillm.generate import check_length, stop_ids
+from minillm.generate import check_length, sample_loop, stop_ids
 from minillm.model import ModelConfig, Transformer
-from minillm.sampling import SamplingParams, make_generator, sample
+from minillm.sampling import SamplingParams, make_generator
 
 
 class OutOfBlocks(RuntimeError):
@@ -394,16 +394,9 @@ def generate_paged(
     generators = [
         make_generator(None if params.seed is None else params.seed + s % n, device) for s in seqs
     ]
-    stops = stop_ids(model, params)
-    out, done = [[] for _ in seqs], [False] * len(seqs)
-    for step in range(params.max_tokens):
-        tokens = torch.cat([sample(logits[s : s + 1], params, generators[s]) for s in seqs])
-        for s, t in enumerate(tokens.tolist()):
-            if not done[s]:
-                out[s].append(t)
-                done[s] = t in stops
-        if all(done) or step == params.max_tokens - 1:
-            break
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal positions
         copies = []
         for s, token in enumerate(tokens.tolist()):  # each row's slot for this token
             copies += [c for c in [manager.append_slot(s, token)[1]] if c is not None]
@@ -411,6 +404,9 @@ def generate_paged(
         cache.set_tables([manager.block_table(s) for s in seqs])
         logits = model(tokens[:, None], positions[:, None], cache=cache)[:, -1]
         positions = positions + 1
+        return logits
+
+    out = sample_loop(logits, params, step, stop_ids(model, params), generators)
     for s in seqs:
         manager.free(s)
     return out
