@@ -16,7 +16,8 @@ import uvicorn
 
 from minillm import load_tokenizer
 from minillm.engine import Engine, SamplingParams
-from minillm.engine.server import build_app, create_app, default_chat_template, load_chat_template
+from minillm.engine.protocol import default_chat_template, load_chat_template
+from minillm.engine.server import build_app, create_app
 from minillm.weights import BUNDLED_DIR
 
 NAME = "minillm-bundled"

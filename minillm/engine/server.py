@@ -5,221 +5,42 @@
 `data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text format).
 
 The engine is not thread-safe and its `step()` is blocking, so it runs in one background
-thread (`AsyncEngine`); HTTP handlers add requests under a lock and receive outputs on an
-asyncio queue. A client that disconnects (streaming or not) has its request aborted,
-which frees its KV blocks at once. Bad input gets HTTP 400 with OpenAI's error JSON
-(`{"error": {"message", "type", "param", "code"}}`) and the server keeps serving.
-
-Chat prompts use the tokenizer config's `chat_template` (Jinja) when it has one. The
-bundled model has none (it was trained on plain text), so the documented default is one
-line per message, `"{role}: {content}\\n"`, followed by `"assistant:"`.
+thread (`async_engine.AsyncEngine`); HTTP handlers post requests to its inbox and receive
+outputs on an asyncio queue. A client that disconnects (streaming or not) has its request
+aborted, which frees its KV blocks at once. Bad input gets HTTP 400 with OpenAI's error JSON
+(`protocol.py`: request bodies, errors, chat prompts) and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import queue
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
 
+from minillm.engine.async_engine import AsyncEngine
 from minillm.engine.engine import Engine, RequestOutput
+from minillm.engine.protocol import (
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    RequestFields,
+    default_chat_template,
+    error_response,
+    load_chat_template,
+)
 from minillm.engine.sequence import SamplingParams
-
-log = logging.getLogger("minillm.server")
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class ApiError(Exception):
-    """Bad input: becomes HTTP 400 with OpenAI's error JSON."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def error_response(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-# ------------------------------------------------------------------ request bodies
-class _Common(BaseModel):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    # vLLM's extra sampling parameters (send them with the openai client's extra_body)
-    top_k: int = -1
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict[str, Any]]
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-
-
-# ------------------------------------------------------------------ engine thread
-class AsyncEngine:
-    """The engine stepping in a background thread. Handlers never touch it directly: they
-    post "add" and "abort" commands to an inbox that the engine thread drains between
-    steps (no lock to wait for, so the event loop never stalls behind a step), and read
-    the state snapshot the engine thread publishes after each step."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.running = False
-        self.thread: threading.Thread | None = None
-        self.rate_window: deque[tuple[float, int]] = deque()  # (time, generated tokens)
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.snapshot: dict[str, float] = self._state()
-
-    def start(self) -> None:
-        self.running = True
-        self.thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.running = False
-        self.wake.set()
-        if self.thread is not None:
-            self.thread.join(timeout=10)
-
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Check and queue a request (ValueError if it can never run); its outputs arrive
-        on the returned asyncio queue."""
-        self.engine.check_request(prompt_ids, params)  # reads only fixed configuration
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
-
-        def deliver(out: RequestOutput) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        request_id = uuid.uuid4().hex
-        self.inbox.put(("add", request_id, prompt_ids, params, deliver, time.perf_counter()))
-        self.wake.set()
-        return request_id, outputs
-
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
-        self.wake.set()
-
-    def _drain(self) -> None:
-        while not self.inbox.empty():
-            command, request_id, *args = self.inbox.get()
-            if command == "add":
-                prompt_ids, params, deliver, arrival = args
-                self.engine.add_request(prompt_ids, params, request_id, deliver, arrival)
-            else:
-                self.engine.abort(request_id)
-
-    def _loop(self) -> None:
-        while self.running:
-            self.wake.clear()
-            try:
-                self._drain()
-                if not self.engine.has_unfinished():
-                    self.snapshot = self._state()
-                    self.wake.wait(timeout=1.0)
-                    continue
-                self.engine.step()
-            except Exception:  # a bug, not bad input: fail the requests, keep serving
-                log.exception("engine step failed; aborting the running requests")
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
-            now = time.perf_counter()
-            self.rate_window.append((now, self.engine.num_generated_tokens))
-            while now - self.rate_window[0][0] > 10:
-                self.rate_window.popleft()
-            self.snapshot = self._state()
-
-    def _state(self) -> dict[str, float]:
-        """The gauges and counters of /metrics (built on the engine thread)."""
-        e = self.engine
-        return {
-            "num_requests_running": len({s.request_id for s in e.scheduler.running}),
-            "num_requests_waiting": len({s.request_id for s in e.scheduler.waiting}),
-            "kv_blocks_used": e.num_blocks_used,
-            "kv_blocks_total": e.manager.num_blocks,
-            "prompt_tokens_total": e.num_prompt_tokens,
-            "generation_tokens_total": e.num_generated_tokens,
-            "requests_finished_total": e.num_finished,
-            "requests_aborted_total": e.num_aborted,
-            "preemptions_total": e.scheduler.num_preemptions,
-            "generation_tokens_per_second": self._tokens_per_second(),
-        }
-
-    def _tokens_per_second(self) -> float:
-        """Generated tokens per second over the last 10 s of steps."""
-        window = self.rate_window
-        if len(window) < 2 or time.perf_counter() - window[-1][0] > 10:
-            return 0.0
-        (t0, n0), (t1, n1) = window[0], window[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, sum and count."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets, self.counts = buckets, [0] * len(buckets)
-        self.sum, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
-        self.sum, self.count = self.sum + value, self.count + 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [
-            f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)
-        ]
-        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}"]
-        return out + [f"{name}_count {self.count}"]
 
 
 # ------------------------------------------------------------------ the app
-def default_chat_template(messages: list[dict[str, str]]) -> str:
-    """The bundled model's chat format: one "role: content" line each, then "assistant:"."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
-def load_chat_template(model_dir: str | Path) -> str | None:
-    """The Jinja `chat_template` of a checkpoint's tokenizer config, if it has one."""
-    path = Path(model_dir) / "tokenizer_config.json"
-    return json.loads(path.read_text()).get("chat_template") if path.exists() else None
-
-
 def create_app(engine: Engine, model_name: str, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model name `model_name`."""
     core = AsyncEngine(engine)
@@ -269,7 +90,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             messages=plain, add_generation_prompt=True, bos_token="", eos_token=""
         )
 
-    def make_params(body: _Common, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def make_params(body: RequestFields, prompt_len: int, max_tokens: int | None) -> SamplingParams:
         if body.model not in (None, model_name):
             raise ApiError(
                 f"model {body.model!r} is not served here; this server serves {model_name!r}",
@@ -325,7 +146,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
 
     async def respond(
         request: Request,
-        body: _Common,
+        body: RequestFields,
         prompt: str | list[int],
         max_tokens: int | None,
         chat: bool,
