@@ -48,8 +48,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
 from minillm import load_model, load_tokenizer  # noqa: E402
+from minillm.bench import make_workload  # noqa: E402
 from minillm.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
-from minillm.evaluate import held_out_ids  # noqa: E402
 from minillm.measure import paired_ratios, time_samples  # noqa: E402
 from minillm.weights import BUNDLED_DIR  # noqa: E402
 
@@ -57,20 +57,6 @@ SEED = 0
 
 
 # ------------------------------------------------------------------------ the workload
-def make_workload(tokenizer, n: int = 128, seed: int = SEED) -> list[tuple[list[int], int]]:
-    """n (prompt ids, output length) pairs: prompts U[8, 64] tokens of held-out text,
-    outputs log-normal (median 32, sigma 0.8) clipped to [4, 160]."""
-    rng = random.Random(seed)
-    text = held_out_ids(tokenizer).tolist()
-    work = []
-    for _ in range(n):
-        length = rng.randint(8, 64)
-        start = rng.randrange(len(text) - length)
-        out = min(max(round(math.exp(rng.gauss(math.log(32), 0.8))), 4), 160)
-        work.append((text[start : start + length], out))
-    return work
-
-
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""`python -m minillm generate | serve | doctor`: the course's command line."""
+"""`python -m minillm generate | serve | bench | doctor`: the course's command line."""
 
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from minillm.bench import run_from_args
+
+    run_from_args(args)
+
+
 def _doctor(_args: argparse.Namespace) -> None:
     from minillm.doctor import main as doctor_main
 
@@ -93,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     srv.set_defaults(func=_serve)
+
+    from minillm.bench import add_arguments as bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="one workload on every backend: TTFT/TPOT/ITL/E2E, throughput, memory"
+    )
+    bench_arguments(bench)
+    bench.set_defaults(func=_bench)
 
     doc = sub.add_parser("doctor", help="check packages, device and what each chapter can run")
     doc.set_defaults(func=_doctor)

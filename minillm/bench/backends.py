@@ -1,0 +1,230 @@
+"""In-process backends (transformers eager and compiled, ONNX Runtime, TensorRT, the minillm
+engine), the names of server engines, and `make_backend` for every spec."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from minillm.bench.metrics import Trace
+from minillm.bench.workload import Request
+
+IN_PROCESS = ["hf", "hf-compile", "ort", "tensorrt", "minillm"]
+SERVERS = {  # engines that run as a server: how to start one and point the harness at it
+    "vllm": "vllm serve MODEL --port 8000, then openai:http://127.0.0.1:8000/v1",
+    "sglang": "python -m sglang.launch_server --model-path MODEL --port 30000, then "
+    "openai:http://127.0.0.1:30000/v1",
+    "tgi": "docker run ghcr.io/huggingface/text-generation-inference --model-id MODEL "
+    "(port 80 mapped to 8080), then openai-chat:http://127.0.0.1:8080/v1",
+    "llama.cpp": "llama-server -m MODEL.gguf --port 8080, then openai:http://127.0.0.1:8080/v1",
+}
+ALL = [*IN_PROCESS, *SERVERS]
+OPENAI_PREFIXES = ("openai:", "openai-text:", "openai-chat:")  # token ids, text, chat
+OPT_IN = {
+    "hf-compile": "opt-in (compiling takes tens of seconds to minutes on a CPU): "
+    "name it in --backends"
+}
+
+
+class Unavailable(Exception):
+    """This backend cannot run here; the message says why and what would make it run."""
+
+
+class Backend:
+    """Loads a model, then runs requests one at a time reporting each token's arrival."""
+
+    concurrent = False  # True: run_all serves several requests at once
+    measures_memory = True
+
+    def __init__(self, spec: str, model_path: str | None, device: str, threads: int) -> None:
+        self.spec, self.model_path, self.device, self.threads = spec, model_path, device, threads
+
+    def load(self) -> None:
+        """Build what the backend needs (model, session, connection); raise Unavailable."""
+
+    def run_one(self, req: Request, on_token: Callable[[], None]) -> list[int]:
+        """Generate req.max_tokens greedy tokens, calling on_token as each one exists."""
+        raise NotImplementedError
+
+    def run_all(self, requests: list[Request], concurrency: int, bar: Any) -> list[Trace]:
+        traces = []
+        for req in requests:
+            trace = Trace(time.perf_counter())
+            stamp = trace.token_times.append
+            trace.tokens = self.run_one(req, lambda stamp=stamp: stamp(time.perf_counter()))
+            trace.end, trace.num_tokens = time.perf_counter(), len(trace.tokens)
+            traces.append(trace)
+            bar.update()
+        return traces
+
+
+class _TimedStreamer:
+    """transformers streamer: skips the prompt, calls on_token for each generated token."""
+
+    def __init__(self, on_token: Callable[[], None]) -> None:
+        self.on_token, self.prompt_seen = on_token, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.on_token()
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+class HFBackend(Backend):
+    """transformers `generate`, eager; `hf-compile`: a static cache of the full context and a
+    compiled forward, warmed up on three prompt lengths in `load` (so `load_s` includes the
+    compiles: the first shape, then dynamo's recompiles with dynamic lengths)."""
+
+    def load(self) -> None:
+        from transformers import AutoModelForCausalLM, StaticCache
+
+        from minillm.weights import BUNDLED_DIR
+
+        path = self.model_path or BUNDLED_DIR
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model = self.model.to(self.device).eval()
+        self.cache = None
+        if self.spec == "hf-compile":
+            context = self.model.config.max_position_embeddings
+            self.cache = StaticCache(config=self.model.config, max_cache_len=context)
+            self.model.forward = torch.compile(self.model.forward)
+            for n in (2, 3, 4):
+                self.run_one(Request(list(range(1, n + 1)), 2), lambda: None)
+
+    @torch.inference_mode()
+    def run_one(self, req: Request, on_token: Callable[[], None]) -> list[int]:
+        ids = torch.tensor([req.prompt_ids], device=self.device)
+        if self.cache is not None:
+            self.cache.reset()  # one cache, fixed shapes: no recompiles between requests
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=req.max_tokens,
+            min_new_tokens=req.max_tokens,  # EOS ignored
+            do_sample=False,
+            streamer=_TimedStreamer(on_token),
+            pad_token_id=0,
+            past_key_values=self.cache,
+        )
+        return out[0, ids.shape[1] :].tolist()
+
+
+class OrtBackend(Backend):
+    """Chapter 03: the decoder-step ONNX graph on ONNX Runtime (CPU provider), batch 1."""
+
+    def load(self) -> None:
+        from minillm.onnx_export import OrtDecoder, export_decoder_step, ort_session
+        from minillm.weights import load_model
+
+        if self.device != "cpu":
+            raise Unavailable("the harness runs ORT on its CPU provider: use --device cpu")
+        self.tmp = tempfile.TemporaryDirectory()
+        path = export_decoder_step(load_model(self.model_path), Path(self.tmp.name) / "step.onnx")
+        self.decoder = OrtDecoder(ort_session(path, threads=self.threads))
+
+    def run_one(self, req: Request, on_token: Callable[[], None]) -> list[int]:
+        d = self.decoder
+        logits, positions, mask, past = d.prefill([req.prompt_ids])
+        out: list[int] = []
+        while True:
+            token = int(logits[0].argmax())
+            out.append(token)
+            on_token()
+            if len(out) == req.max_tokens:
+                return out
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            step, past = d.step(np.array([[token]]), positions[:, None], mask, past)
+            logits, positions = step[:, -1], positions + 1
+
+
+class TensorRTBackend(Backend):
+    """NVIDIA only; says what is missing (GPU, torch-tensorrt)."""
+
+    def load(self) -> None:
+        if not torch.cuda.is_available():
+            raise Unavailable("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+        from minillm.trt import require_torch_tensorrt
+
+        try:
+            require_torch_tensorrt()
+        except (RuntimeError, ImportError) as err:
+            raise Unavailable(str(err)) from None
+        raise Unavailable(
+            "TensorRT streaming generation is not wired into the harness yet: chapter 04's "
+            "benchmark (benchmarks/... via minillm.trt.compare_backends) measures its forward"
+        )
+
+
+class EngineBackend(Backend):
+    """Chapter 08's continuous-batching engine, in process."""
+
+    concurrent = True
+
+    def load(self) -> None:
+        from minillm.engine import Engine
+        from minillm.weights import load_model, load_tokenizer
+
+        model = load_model(self.model_path, device=self.device)
+        self.engine = Engine(model, load_tokenizer(self.model_path))
+
+    def run_all(self, requests: list[Request], concurrency: int, bar: Any) -> list[Trace]:
+        from minillm.engine import SamplingParams
+
+        engine, pending, done = self.engine, list(enumerate(requests)), {}
+        running: dict[str, int] = {}
+        while pending or running:
+            while pending and len(running) < concurrency:
+                i, req = pending.pop(0)
+                params = SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
+                running[engine.add_request(req.prompt_ids, params)] = i
+            for out in engine.step():
+                if out.finished:
+                    m, toks = out.metrics, out.outputs[0].token_ids
+                    trace = Trace(m.arrival_time, list(m.token_times), m.finished_time)
+                    trace.num_tokens, trace.tokens = len(toks), list(toks)
+                    done[running.pop(out.request_id)] = trace
+                    bar.update()
+        return [done[i] for i in range(len(requests))]
+
+
+def make_backend(spec: str, model_path: str | None, device: str, threads: int) -> Backend:
+    """The backend for `spec`; raises Unavailable (why, what to do) or ValueError (unknown)."""
+    kinds = {"hf": HFBackend, "hf-compile": HFBackend, "ort": OrtBackend}
+    kinds.update({"tensorrt": TensorRTBackend, "minillm": EngineBackend})
+    if spec in kinds:
+        return kinds[spec](spec, model_path, device, threads)
+    if spec.startswith(OPENAI_PREFIXES):
+        from minillm.bench.openai_http import OpenAIBackend  # imports this module
+
+        return OpenAIBackend(spec, model_path, device, threads)
+    if spec in SERVERS:
+        raise Unavailable(f"a server: start it ({SERVERS[spec]})")
+    raise ValueError(
+        f"unknown backend {spec!r}: use {', '.join(ALL)}, openai:URL, openai-text:URL or "
+        "openai-chat:URL"
+    )
+
+
+def parse_backends(text: str) -> list[str]:
+    """Comma-separated backend names; `all` expands to every known one."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ValueError("no backends given: e.g. --backends hf,ort,minillm or all")
+    out: list[str] = []
+    for name in names:
+        if name != "all" and name not in ALL and not name.startswith(OPENAI_PREFIXES):
+            raise ValueError(
+                f"unknown backend {name!r}: use {', '.join(ALL)}, openai:URL, openai-text:URL "
+                "or openai-chat:URL"
+            )
+        out += [b for b in (ALL if name == "all" else [name]) if b not in out]
+    return out
