@@ -226,9 +226,12 @@ def start_server(port: int, batch: int) -> subprocess.Popen:
     raise RuntimeError("the server did not start within 120 s")
 
 
-async def one_request(client, url: str, prompt: list[int], n: int) -> dict[str, Any]:
+async def one_request(
+    client, url: str, prompt: list[int] | str, n: int, extra: dict | None = None
+) -> dict[str, Any]:
+    """Stream one completion; `extra` adds server-specific body fields (llama.cpp's)."""
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    body.update(stream=True, stream_options={"include_usage": True})
+    body.update(stream=True, stream_options={"include_usage": True}, **(extra or {}))
     start = time.perf_counter()
     times, tokens = [], 0
     async with client.stream("POST", url, json=body) as r:
@@ -242,10 +245,13 @@ async def one_request(client, url: str, prompt: list[int], n: int) -> dict[str, 
             elif chunk["choices"] and chunk["choices"][0]["text"]:
                 times.append(time.perf_counter())
     end = time.perf_counter()
-    return {"start": start, "times": times, "end": end, "tokens": tokens}
+    # a server that sends no usage in streams (llama-cpp-python): one text chunk per token
+    return {"start": start, "times": times, "end": end, "tokens": tokens or len(times)}
 
 
-async def poisson_run(url: str, work, rate: float, seed: int = SEED) -> dict[str, Any]:
+async def poisson_run(
+    url: str, work, rate: float, seed: int = SEED, extra: dict | None = None
+) -> dict[str, Any]:
     """Send the workload with exponential gaps of mean 1/rate (inf: all at once)."""
     import httpx
 
@@ -253,7 +259,7 @@ async def poisson_run(url: str, work, rate: float, seed: int = SEED) -> dict[str
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as c:
         tasks, t0 = [], time.perf_counter()
         for prompt, n in work:
-            tasks.append(asyncio.create_task(one_request(c, url, prompt, n)))
+            tasks.append(asyncio.create_task(one_request(c, url, prompt, n, extra)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         done = await asyncio.gather(*tasks)

@@ -182,3 +182,20 @@ def test_cli_bench_runs_and_writes_json(tmp_path, capsys):
     status = {r["backend"]: r["status"] for r in result["results"]}
     assert status["minillm"] == "ok" and status["tensorrt"] != "ok"
     assert "SUMMARY bench: 1/2 backends ran" in capsys.readouterr().out
+
+
+def test_tensorrt_backend_loop_on_the_graph_tensorrt_compiles(model, prompts):
+    """The TensorRT backend's cache-free greedy loop, run on CPU on the torch.export graph
+    that torch_tensorrt.compile builds its engine from: same tokens as minillm."""
+    from minillm import SamplingParams, generate
+    from minillm.bench.backends import greedy_without_cache
+    from minillm.bench.workload import Request
+    from minillm.trt import export_program, llm_profile
+
+    context = model.config.max_position_embeddings
+    graph = export_program(model, llm_profile(context, max_batch=1, opt_batch=1)).module()
+    stamps = []
+    req = Request(prompts[1], 6)
+    tokens = greedy_without_cache(graph, req, lambda: stamps.append(1), "cpu")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert tokens == generate(model, [prompts[1]], params)[0] and len(stamps) == 6

@@ -146,22 +146,46 @@ class OrtBackend(Backend):
             logits, positions = step[:, -1], positions + 1
 
 
+def greedy_without_cache(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    req: Request,
+    on_token: Callable[[], None],
+    device: str,
+) -> list[int]:
+    """Greedy tokens from a forward of ids [1, T] -> logits [1, T, vocab] with no KV cache:
+    every token re-runs the whole sequence (what an engine of the plain forward can do)."""
+    ids = torch.tensor([req.prompt_ids], device=device)
+    out: list[int] = []
+    for _ in range(req.max_tokens):
+        token = forward(ids)[0, -1].argmax()
+        out.append(int(token))
+        on_token()
+        ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return out
+
+
 class TensorRTBackend(Backend):
-    """NVIDIA only; says what is missing (GPU, torch-tensorrt)."""
+    """Chapter 04's torch-tensorrt fp16 engine of the plain forward (NVIDIA only), profile
+    batch 1, sequence 1..context. It has no KV cache, so every token re-runs the sequence:
+    it measures the engine's kernels, not cache management (TensorRT-LLM adds that)."""
 
     def load(self) -> None:
         if not torch.cuda.is_available():
             raise Unavailable("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
-        from minillm.trt import require_torch_tensorrt
+        from minillm.trt import compile_tensorrt, llm_profile, require_torch_tensorrt
+        from minillm.weights import load_model
 
         try:
             require_torch_tensorrt()
         except (RuntimeError, ImportError) as err:
             raise Unavailable(str(err)) from None
-        raise Unavailable(
-            "TensorRT streaming generation is not wired into the harness yet: chapter 04's "
-            "benchmark (benchmarks/... via minillm.trt.compare_backends) measures its forward"
-        )
+        model = load_model(self.model_path)
+        context = model.config.max_position_embeddings
+        self.forward = compile_tensorrt(model, llm_profile(context, max_batch=1, opt_batch=1))
+
+    @torch.inference_mode()
+    def run_one(self, req: Request, on_token: Callable[[], None]) -> list[int]:
+        return greedy_without_cache(self.forward, req, on_token, "cuda")
 
 
 class EngineBackend(Backend):

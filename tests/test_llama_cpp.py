@@ -1,0 +1,182 @@
+"""GGUF export (always) and llama.cpp parity (only with llama-cpp-python installed).
+
+The `llama_cpp` tests need `pip install "llama-cpp-python[server]==0.3.36"` (it compiles
+llama.cpp); without it they skip, so the default test path never needs it. Run them
+alone with `pytest -m llama_cpp tests/test_llama_cpp.py`.
+"""
+
+import importlib.util
+import json
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minillm import SamplingParams, generate, load_tokenizer
+from minillm.gguf_export import export_gguf, gguf_name, rope_to_interleaved
+from minillm.weights import BUNDLED_DIR, load_state_dict
+
+gguf = pytest.importorskip("gguf")
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+requires_llama_cpp = pytest.mark.skipif(
+    not HAVE_LLAMA_CPP,
+    reason='llama-cpp-python not installed: pip install "llama-cpp-python[server]==0.3.36"',
+)
+TEXTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the LORD said unto Moses, Speak unto the children of Israel, 1:23 ;",
+    "  two  spaces, tabs\tand\nnewlines -- 1234567 'tis I'll you've",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory) -> Path:
+    return export_gguf(None, tmp_path_factory.mktemp("gguf") / "bundled.gguf")
+
+
+def rope(x: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor], pos: int) -> torch.Tensor:
+    """Rotate the dimension pairs (pairs[0][j], pairs[1][j]) of x by pos * theta_j."""
+    d = x.shape[-1]
+    angle = pos * 10000.0 ** (-torch.arange(d // 2) * 2 / d)
+    out = x.clone()
+    a, b = x[..., pairs[0]], x[..., pairs[1]]
+    out[..., pairs[0]] = a * angle.cos() - b * angle.sin()
+    out[..., pairs[1]] = a * angle.sin() + b * angle.cos()
+    return out
+
+
+def test_rope_reorder_keeps_attention_scores():
+    # HF rotates pairs (j, j + d/2); llama.cpp rotates (2j, 2j + 1) of the reordered rows.
+    torch.manual_seed(0)
+    heads, d, dim = 2, 8, 16
+    wq, wk, x, y = torch.randn(heads * d, dim), torch.randn(heads * d, dim), *torch.randn(2, dim)
+    half, even = torch.arange(d // 2), torch.arange(0, d, 2)
+
+    def scores(wq, wk, pairs):
+        q = rope((wq @ x).view(heads, d), pairs, pos=5)
+        k = rope((wk @ y).view(heads, d), pairs, pos=2)
+        return (q * k).sum(-1)
+
+    hf = scores(wq, wk, (half, half + d // 2))
+    cpp = scores(rope_to_interleaved(wq, heads), rope_to_interleaved(wk, heads), (even, even + 1))
+    torch.testing.assert_close(cpp, hf)
+    assert not torch.equal(rope_to_interleaved(wq, heads), wq)
+
+
+def test_export_roundtrip(gguf_path):
+    reader = gguf.GGUFReader(gguf_path)
+    field = lambda k: reader.fields[k].contents()  # noqa: E731
+    assert field("general.architecture") == "llama"
+    assert field("tokenizer.ggml.pre") == "gpt-2"
+    assert field("llama.context_length") == 256 and field("llama.attention.head_count_kv") == 2
+    tok = json.loads((BUNDLED_DIR / "tokenizer.json").read_text())
+    tokens = field("tokenizer.ggml.tokens")
+    assert len(tokens) == 4096 and tokens[0] == "<|endoftext|>"
+    assert all(tokens[i] == t for t, i in tok["model"]["vocab"].items())
+    assert field("tokenizer.ggml.token_type")[:2] == [3, 1]  # control, normal
+    assert len(field("tokenizer.ggml.merges")) == len(tok["model"]["merges"])
+    state = load_state_dict(BUNDLED_DIR)
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == {gguf_name(k) for k in state if k != "lm_head.weight"}
+    for name, w in state.items():
+        got = torch.from_numpy(np.array(tensors[gguf_name(name)].data)).reshape(w.shape)
+        if "q_proj" in name or "k_proj" in name:
+            heads = 4 if "q_proj" in name else 2
+            w = rope_to_interleaved(w, heads)
+        assert torch.equal(got, w), name
+
+
+def test_export_refuses_what_it_cannot_write(tmp_path):
+    with pytest.raises(ValueError, match="outtype"):
+        export_gguf(None, tmp_path / "x.gguf", outtype="q4")
+    other = tmp_path / "spm"
+    shutil.copytree(BUNDLED_DIR, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": "_"}
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="convert_hf_to_gguf"):
+        export_gguf(other, tmp_path / "y.gguf")
+    with pytest.raises(ValueError, match="no GGUF name"):
+        gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq")
+
+
+@pytest.fixture(scope="module")
+def llama(gguf_path):
+    """llama.cpp on the exported file, with an fp32 KV cache (its default is fp16, which
+    moves logits by ~2e-3) so that it computes what minillm computes."""
+    import llama_cpp
+
+    f32 = llama_cpp.GGML_TYPE_F32
+    return llama_cpp.Llama(
+        str(gguf_path),
+        n_ctx=256,
+        n_threads=1,
+        logits_all=True,
+        type_k=f32,
+        type_v=f32,
+        verbose=False,
+    )
+
+
+@pytest.mark.llama_cpp
+@requires_llama_cpp
+@pytest.mark.parametrize("text", TEXTS)
+def test_llama_cpp_tokenizes_like_minillm(llama, text):
+    ids = load_tokenizer().encode(text)
+    assert llama.tokenize(text.encode(), add_bos=False, special=False) == ids
+    assert llama.detokenize(ids).decode() == text
+
+
+@pytest.mark.llama_cpp
+@requires_llama_cpp
+def test_llama_cpp_logits_and_greedy_match(llama, model, prompts):
+    ids = prompts[1]
+    llama.reset()
+    llama.eval(ids)
+    with torch.inference_mode():
+        ours = model(torch.tensor([ids]))[0].float().numpy()
+    theirs = np.array(llama.scores[: len(ids)])
+    assert np.abs(theirs - ours).max() < 1e-4, np.abs(theirs - ours).max()
+    n = 48
+    want = generate(model, prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    for p, w in zip(prompts, want, strict=True):
+        llama.reset()
+        got = []
+        for t in llama.generate(p, temp=0.0, top_k=1, reset=True):
+            got.append(t)
+            if len(got) == n:
+                break
+        assert got == w
+
+
+@pytest.mark.llama_cpp
+@requires_llama_cpp
+def test_llama_cpp_server_serves_the_same_text(gguf_path, model, prompts):
+    import httpx
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_llama_cpp", Path(__file__).parents[1] / "benchmarks" / "llama_cpp.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    tok = load_tokenizer()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = bench.start_llama_server(gguf_path, port)
+    try:
+        body = {"prompt": tok.decode(prompts[0]), "max_tokens": 16, "temperature": 0}
+        body["repeat_penalty"] = 1.0  # the server's default, 1.1, is not greedy
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        params = SamplingParams(temperature=0, max_tokens=16)
+        want = tok.decode(generate(model, prompts[:1], params)[0])
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
