@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 from minillm import load_model, load_tokenizer  # noqa: E402
 from minillm.bench import make_workload  # noqa: E402
+from minillm.bench.openai_http import run_async  # noqa: E402
 from minillm.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from minillm.measure import paired_ratios, time_samples  # noqa: E402
 from minillm.weights import BUNDLED_DIR  # noqa: E402
@@ -276,18 +277,6 @@ async def poisson_run(
         "output_tok_s": out_tokens / wall,
         **{k: percentiles(v) for k, v in dict(ttft=ttft, tpot=tpot, itl=itl, e2e=e2e).items()},
     }
-
-
-def run_async(coro) -> Any:
-    """asyncio.run, also from inside a running loop (Jupyter): then on a fresh thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def online(work, rates: list[float], batch: int = 32) -> list[dict[str, Any]]:
