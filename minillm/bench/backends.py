@@ -22,7 +22,8 @@ SERVERS = {  # engines that run as a server: how to start one and point the harn
     "openai:http://127.0.0.1:30000/v1",
     "tgi": "docker run ghcr.io/huggingface/text-generation-inference --model-id MODEL "
     "(port 80 mapped to 8080), then openai-chat:http://127.0.0.1:8080/v1",
-    "llama.cpp": "llama-server -m MODEL.gguf --port 8080, then openai:http://127.0.0.1:8080/v1",
+    "llama.cpp": "python -m minillm.gguf_export MODEL.gguf; python -m llama_cpp.server --model "
+    "MODEL.gguf --port 8080 --interrupt_requests False, then openai-text:http://127.0.0.1:8080/v1",
 }
 ALL = [*IN_PROCESS, *SERVERS]
 OPENAI_PREFIXES = ("openai:", "openai-text:", "openai-chat:")  # token ids, text, chat
