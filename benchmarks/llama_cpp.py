@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -41,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,16 +51,17 @@ from minillm.gguf_export import export_gguf  # noqa: E402
 
 
 def load_serving():
-    """benchmarks/serving.py as a module (the shared workload and client)."""
+    """benchmarks/serving.py as a module (the shared workload, client and server start-up)."""
     spec = importlib.util.spec_from_file_location(
         "bench_serving", ROOT / "benchmarks" / "serving.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    if "extra" not in inspect.signature(module.poisson_run).parameters:
-        raise SystemExit("benchmarks/serving.py's poisson_run needs its `extra` body fields")
     return module
+
+
+serving = load_serving()
 
 
 def start_llama_server(
@@ -70,8 +69,6 @@ def start_llama_server(
 ) -> subprocess.Popen:
     """`python -m llama_cpp.server` on 127.0.0.1:port; returns once /v1/models answers.
     kv_cache "f32" computes what minillm computes; llama.cpp's default is "f16"."""
-    import httpx
-
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256"]
     cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
@@ -79,17 +76,7 @@ def start_llama_server(
     cmd += ["--type_k", kv, "--type_v", kv]
     cmd += ["--interrupt_requests", "False", "--logits_all", "False", "--verbose", "False"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("llama_cpp.server did not start within 120 s")
+    return serving.wait_until_up(proc, f"http://127.0.0.1:{port}/v1/models", " ".join(cmd))
 
 
 # llama-cpp-python's server applies a repetition penalty of 1.1 unless told otherwise:
@@ -144,7 +131,6 @@ def main() -> None:
         raise SystemExit(
             'llama-cpp-python is not installed: pip install "llama-cpp-python[server]==0.3.36"'
         ) from None
-    serving = load_serving()
     n = args.requests or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
     tokenizer = load_tokenizer()

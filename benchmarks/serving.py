@@ -214,17 +214,26 @@ def start_server(port: int, batch: int) -> subprocess.Popen:
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    return wait_until_up(proc, f"http://127.0.0.1:{port}/health", "minillm serve")
+
+
+def wait_until_up(
+    proc: subprocess.Popen, url: str, what: str, timeout: float = 120
+) -> subprocess.Popen:
+    """Poll `url` until it answers 200; stop early with an error if `proc` exits."""
     import httpx
 
-    deadline = time.time() + 120
+    deadline = time.time() + timeout
     while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(url, timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the server did not start within 120 s")
+    raise RuntimeError(f"{what} did not start within {timeout:.0f} s")
 
 
 async def one_request(

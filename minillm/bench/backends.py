@@ -38,7 +38,10 @@ class Unavailable(Exception):
 
 
 class Backend:
-    """Loads a model, then runs requests one at a time reporting each token's arrival."""
+    """Loads a model, then runs requests one at a time reporting each token's arrival.
+
+    A subclass defines `run_one(req, on_token) -> tokens` (greedy, calling on_token as each
+    token exists) for the one-at-a-time `run_all` below, or overrides `run_all` itself."""
 
     concurrent = False  # True: run_all serves several requests at once
     measures_memory = True
@@ -48,10 +51,6 @@ class Backend:
 
     def load(self) -> None:
         """Build what the backend needs (model, session, connection); raise Unavailable."""
-
-    def run_one(self, req: Request, on_token: Callable[[], None]) -> list[int]:
-        """Generate req.max_tokens greedy tokens, calling on_token as each one exists."""
-        raise NotImplementedError
 
     def run_all(self, requests: list[Request], concurrency: int, bar: Any) -> list[Trace]:
         traces = []
