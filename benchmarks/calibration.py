@@ -1,6 +1,6 @@
 """Chapter 04 benchmark: what TensorRT does, built small and measured on the bundled model.
 
-    python benchmarks/calibration.py [--quick] [--threads N] [--json results.json]
+    python -m benchmarks.calibration [--quick] [--threads N] [--json results.json]
 
 (a) INT8 calibration: activation statistics of every nn.Linear input on batches of the
     bundled model's training text; the clipping thresholds max / percentile (99.99) /
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,24 +30,25 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
-
-from minillm import SamplingParams, generate, load_model, load_tokenizer  # noqa: E402
-from minillm.calibrate import (  # noqa: E402
+from minillm import SamplingParams, generate, load_model, load_tokenizer
+from minillm.cache import KVCache
+from minillm.lab import (
+    ops_per_forward,
+    time_ratios,
+)
+from minillm.model import ModelConfig, Transformer
+from minillm.model.shapes import SMOLLM2_135M
+from minillm.quant.calibrate import (
     calibration_batches,
     collect_stats,
     compare_methods,
     entropy_threshold,
     percentile_threshold,
 )
-from minillm.configs import SMOLLM2_135M  # noqa: E402
-from minillm.evaluate import held_out_ids  # noqa: E402
-from minillm.fusion import fuse_model, ops_per_forward  # noqa: E402
-from minillm.kv_cache import KVCache  # noqa: E402
-from minillm.measure import time_ratios  # noqa: E402
-from minillm.model import ModelConfig, Transformer  # noqa: E402
+from minillm.quant.fusion import fuse_model
+from minillm.training import held_out_ids
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 PROMPT = "And the LORD said unto Moses, Speak unto"

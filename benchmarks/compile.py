@@ -1,6 +1,6 @@
 """torch.compile (inductor, default mode) vs eager for the fixed-shape decode step.
 
-    python benchmarks/compile.py [--threads N] [--tokens 32] [--repeats 30] [--warm-cache]
+    python -m benchmarks.compile [--threads N] [--tokens 32] [--repeats 30] [--warm-cache]
 
 Model: the bundled checkpoint (4 layers, d128, vocab 4096), the model every chapter uses.
 At this size one decode step is ~100 small ops, each a few microseconds of arithmetic,
@@ -12,30 +12,22 @@ ratio can be read against it.
 
 Per batch size (1 and 8): compile time (wall time of the first compiled call, cold
 inductor cache unless --warm-cache), then the step's speed ratio eager/compiled, timed
-A/B interleaved (`minillm.measure.time_ratios`), then end to end: `generate` (chapter 02,
+A/B interleaved (`minillm.lab.timing.time_ratios`), then end to end: `generate` (chapter 02,
 kv_len shrinking) vs `generate_static` eager and compiled, same prompts and max_tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from minillm import SamplingParams, generate, load_model  # noqa: E402
-from minillm.decode_step import (  # noqa: E402
-    CompileCounter,
-    compile_decode_step,
-    decode_step,
-    generate_static,
-)
-from minillm.generate import prefill  # noqa: E402
-from minillm.measure import profile_split, time_ratios  # noqa: E402
+from minillm import SamplingParams, generate, load_model
+from minillm.generation import generate_static
+from minillm.generation.cached import prefill
+from minillm.generation.static import CompileCounter, compile_decode_step, decode_step
+from minillm.lab import profile_split, time_ratios
 
 PROMPT_LEN = 16
 

@@ -1,6 +1,6 @@
 """Chapter 02 benchmark: what the KV cache buys, measured on this machine.
 
-    python benchmarks/kv_cache.py [--quick] [--threads N] [--json results.json]
+    python -m benchmarks.kv_cache [--quick] [--threads N] [--json results.json]
 
 Four parts, each printed as a table; the last line is one `SUMMARY kv-cache:` line.
 
@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,22 +39,19 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
-
-from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer  # noqa: E402
-from minillm.configs import SMOLLM2_135M, random_model  # noqa: E402
-from minillm.kv_cache import KVCache  # noqa: E402
-from minillm.measure import (  # noqa: E402
-    format_bytes,
-    measure_roofline,
-    paired_ratios,
-    profile_split,
-    time_samples,
+from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
+from minillm.cache import KVCache
+from minillm.lab import format_bytes, measure_roofline, paired_ratios, profile_split, time_samples
+from minillm.model import (
+    BUNDLED_DIR,
+    ModelConfig,
+    Transformer,
+    load_config,
+    random_model,
 )
-from minillm.model import ModelConfig, Transformer  # noqa: E402
-from minillm.weights import BUNDLED_DIR, load_config  # noqa: E402
+from minillm.model.shapes import SMOLLM2_135M
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 PROMPT = "And the LORD said unto Moses, Speak unto"

@@ -1,11 +1,11 @@
 """Chapter 08 benchmark: `minillm serve` vs llama.cpp's Python server, same client, same work.
 
     pip install "llama-cpp-python[server]==0.3.36"   # compiles llama.cpp: ~20 min on 2 cores
-    python benchmarks/llama_cpp.py [--quick] [--requests N] [--threads 1] [--json out.json]
+    python -m benchmarks.llama_cpp [--quick] [--requests N] [--threads 1] [--json out.json]
 
 The CPU peer is llama.cpp through llama-cpp-python's OpenAI-compatible server
 (`python -m llama_cpp.server`), on the bundled checkpoint written as GGUF by
-`minillm.gguf_export` (f32 weights and, by default, an f32 KV cache: the arithmetic minillm
+`minillm.export.gguf` (f32 weights and, by default, an f32 KV cache: the arithmetic minillm
 does; llama.cpp's own default is an f16 KV cache: `--kv-cache f16`). The workload and the
 streaming client are benchmarks/serving.py's (`make_workload`, `poisson_run`, `percentiles`,
 imported by path): the same requests, sent as text to both servers (llama-cpp-python takes no token
@@ -42,12 +42,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+from minillm import load_tokenizer
+from minillm.export.gguf import export_gguf
 
-from minillm import load_tokenizer  # noqa: E402
-from minillm.gguf_export import export_gguf  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_serving():

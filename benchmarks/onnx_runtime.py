@@ -1,8 +1,8 @@
 """Chapter 03 benchmark: PyTorch eager vs ONNX Runtime (each optimisation level, int8) on CPU.
 
-    python benchmarks/onnx_runtime.py [--quick] [--no-smol] [--threads N] [--json results.json]
+    python -m benchmarks.onnx_runtime [--quick] [--no-smol] [--threads N] [--json results.json]
 
-For each model, the decoder-step graph (`minillm.onnx_export.export_decoder_step`) is
+For each model, the decoder-step graph (`minillm.export.onnx.export_decoder_step`) is
 exported once and serves both phases, as it does in generation:
 
 (a) file sizes: the PyTorch state dict (`torch.save`, .pt), safetensors, the fp32 .onnx
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -39,26 +38,27 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
-
-from minillm import load_model, load_tokenizer  # noqa: E402
-from minillm.configs import SMOLLM2_135M, random_model  # noqa: E402
-from minillm.evaluate import held_out_ids, next_token_agreement, perplexity  # noqa: E402
-from minillm.kv_cache import KVCache  # noqa: E402
-from minillm.measure import format_bytes, paired_ratios, time_samples  # noqa: E402
-from minillm.model import Transformer  # noqa: E402
-from minillm.onnx_export import (  # noqa: E402
+from minillm import load_model, load_tokenizer
+from minillm.cache import KVCache
+from minillm.export.onnx import export_decoder_step
+from minillm.export.onnx_checks import op_counts
+from minillm.export.onnx_runtime import (
     LEVELS,
     OrtDecoder,
-    export_decoder_step,
-    op_counts,
     ort_logits_fn,
     ort_session,
     quantize_int8,
 )
-from minillm.weights import save_model  # noqa: E402
+from minillm.lab import format_bytes, paired_ratios, time_samples
+from minillm.model import (
+    Transformer,
+    random_model,
+    save_model,
+)
+from minillm.model.shapes import SMOLLM2_135M
+from minillm.training import held_out_ids, next_token_agreement, perplexity
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 EAGER = "torch eager"

@@ -1,6 +1,6 @@
 """Chapter 07 benchmark: how much KV memory holds real tokens, contiguous vs paged.
 
-    python benchmarks/paged.py [--quick] [--requests N] [--json results.json]
+    python -m benchmarks.paged [--quick] [--requests N] [--json results.json]
 
 Three parts, each printed as a table; the last line is one `SUMMARY paged:` line.
 
@@ -10,7 +10,7 @@ Three parts, each printed as a table; the last line is one `SUMMARY paged:` line
       contiguous-pow2    reserve the next power of two >= prompt+output (the vLLM paper's
                          "Orca (Pow2)")
       contiguous-oracle  reserve exactly prompt+output (knows the future)
-      paged-B            minillm.paged.BlockManager with blocks of B = 8, 16, 32 tokens,
+      paged-B            minillm.cache.BlockManager with blocks of B = 8, 16, 32 tokens,
                          one block at a time; preempts the newest request when out of blocks
     Contiguous regions are placed first-fit in one address space, so freed holes that are
     too small for the next request show up as external fragmentation. Reported while the
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,11 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+from minillm.cache import BlockManager, OutOfBlocks
 
-from minillm.paged import BlockManager, OutOfBlocks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 MAX_LEN = 2048

@@ -1,7 +1,7 @@
 """Chapter 06 benchmark: what each weight format costs in quality, saves in bytes, and does
 to decode speed, on this machine, in one run.
 
-    python benchmarks/quant.py [--quick] [--windows N] [--threads N] [--no-ort] [--json out.json]
+    python -m benchmarks.quant [--quick] [--windows N] [--threads N] [--no-ort] [--json out.json]
 
 (a) Bundled model (trained, so perplexity means something): for fp32, bf16, our INT8 /
     INT4 / NF4 schemes and the libraries (bitsandbytes 8-bit and NF4, torch.ao dynamic
@@ -24,7 +24,6 @@ import contextlib
 import copy
 import io
 import json
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -34,17 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+from minillm import load_model, load_tokenizer
+from minillm.cache import KVCache
+from minillm.lab import format_bytes, time_ratios
+from minillm.model import ModelConfig, Transformer
+from minillm.model.shapes import SMOLLM2_135M
+from minillm.quant import quantize_model, weight_bytes
+from minillm.quant.linear import linear_names
+from minillm.training import held_out_ids, next_token_agreement, perplexity
 
-from minillm import load_model, load_tokenizer  # noqa: E402
-from minillm.configs import SMOLLM2_135M  # noqa: E402
-from minillm.evaluate import held_out_ids, next_token_agreement, perplexity  # noqa: E402
-from minillm.kv_cache import KVCache  # noqa: E402
-from minillm.measure import format_bytes, time_ratios  # noqa: E402
-from minillm.model import ModelConfig, Transformer  # noqa: E402
-from minillm.quant import linear_names, quantize_model, weight_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 WINDOW = 256
@@ -140,9 +138,9 @@ def _ort_step(path: Path, context: int = 64) -> Callable[[], Any]:
     """One decode step of an ONNX decoder-step graph at position `context`, pasts prefilled."""
     import numpy as np
 
-    from minillm import onnx_export as ox
+    from minillm.export import onnx_runtime as rt
 
-    dec = ox.OrtDecoder(ox.ort_session(path))
+    dec = rt.OrtDecoder(rt.ort_session(path))
     _, pos, mask, past = dec.prefill([list(range(1, context + 1))])
     ids = np.array([[7]], np.int64)
     positions = pos[:, None].astype(np.int64)
@@ -159,16 +157,17 @@ def ort_int8(model: Transformer, workdir: Path) -> dict[str, Any]:
     """ONNX Runtime dynamic int8 (chapter 03, per-channel weights): a logits function, the
     int8 file's size, and decode-step functions of the fp32 and int8 step graphs (None if
     the step graph could not be built)."""
-    from minillm import onnx_export as ox
+    from minillm.export import onnx as ox
+    from minillm.export import onnx_runtime as rt
 
     with quiet():
         fp = ox.export_forward(model, workdir / "forward.onnx")
-        q8 = ox.quantize_int8(fp, workdir / "forward.int8.onnx", per_channel=True)
-    out = {"logits": ox.ort_logits_fn(ox.ort_session(q8)), "bytes": q8.stat().st_size}
+        q8 = rt.quantize_int8(fp, workdir / "forward.int8.onnx", per_channel=True)
+    out = {"logits": rt.ort_logits_fn(rt.ort_session(q8)), "bytes": q8.stat().st_size}
     out["step_fp32"] = out["step_int8"] = None
     with contextlib.suppress(Exception), quiet():
         sp = ox.export_decoder_step(model, workdir / "step.onnx")
-        sq = ox.quantize_int8(sp, workdir / "step.int8.onnx", per_channel=True)
+        sq = rt.quantize_int8(sp, workdir / "step.int8.onnx", per_channel=True)
         out["step_fp32"], out["step_int8"] = _ort_step(sp), _ort_step(sq)
     return out
 
@@ -317,7 +316,7 @@ def big_model() -> Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
-    from minillm.model import rope_inv_freq
+    from minillm.model.transformer import rope_inv_freq
 
     model.inv_freq = rope_inv_freq(model.config)
     return model.eval()

@@ -1,7 +1,7 @@
 """Chapter 08 benchmark: continuous batching vs static batching vs HF `generate`, offline
 and online, with vLLM `bench serve`'s metrics.
 
-    python benchmarks/serving.py [--quick] [--requests N] [--no-online] [--json out.json]
+    python -m benchmarks.serving [--quick] [--requests N] [--no-online] [--json out.json]
 
 Workload (the same requests for every system): `--requests` prompts (default 128) cut
 from the bundled model's held-out text, prompt lengths uniform in [8, 64] tokens, output
@@ -43,16 +43,14 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+from minillm import load_model, load_tokenizer
+from minillm.bench import make_workload
+from minillm.bench.openai_http import run_async
+from minillm.engine import Engine, RequestOutput, SamplingParams
+from minillm.lab import paired_ratios, time_samples
+from minillm.model import BUNDLED_DIR
 
-from minillm import load_model, load_tokenizer  # noqa: E402
-from minillm.bench import make_workload  # noqa: E402
-from minillm.bench.openai_http import run_async  # noqa: E402
-from minillm.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
-from minillm.measure import paired_ratios, time_samples  # noqa: E402
-from minillm.weights import BUNDLED_DIR  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 
@@ -209,7 +207,7 @@ def free_port() -> int:
 def start_server(port: int, batch: int) -> subprocess.Popen:
     """`minillm` serving the bundled model in a subprocess (one intra-op thread)."""
     code = (
-        "import torch; torch.set_num_threads(1); from minillm.engine.server import serve; "
+        "import torch; torch.set_num_threads(1); from minillm.serving.api_server import serve; "
         f"serve(port={port}, log_level='warning', max_num_seqs={batch})"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

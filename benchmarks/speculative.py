@@ -1,6 +1,6 @@
 """Chapter 10 benchmark: when does speculative decoding pay, on this machine?
 
-    python benchmarks/speculative.py [--quick] [--threads N] [--json results.json]
+    python -m benchmarks.speculative [--quick] [--threads N] [--json results.json]
 
 Target: the bundled model. Draft: the bundled draft (same tokenizer, 2 layers of width
 64, trained by the same script: see minillm/bundled_draft/README.md). Three parts; the
@@ -24,28 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
-
-from minillm import (  # noqa: E402
+from minillm import (
     BUNDLED_DRAFT_DIR,
     SamplingParams,
     generate,
     load_model,
     load_tokenizer,
 )
-from minillm.configs import random_model  # noqa: E402
-from minillm.generate import eager_decode_step, prefill  # noqa: E402
-from minillm.measure import time_ratios  # noqa: E402
-from minillm.model import Transformer  # noqa: E402
-from minillm.speculative import SpecStats, predicted_speedup, speculative_generate  # noqa: E402
+from minillm.generation import speculative_generate
+from minillm.generation.cached import eager_decode_step, prefill
+from minillm.generation.speculative import SpecStats, predicted_speedup
+from minillm.lab import time_ratios
+from minillm.model import (
+    Transformer,
+    random_model,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = ["In the beginning", "And the LORD said unto Moses,", "Blessed are the", "Jesus wept"]
 KS = (1, 2, 3, 4, 6, 8)

@@ -1,6 +1,6 @@
 """Chapter 01 exercises: the small pieces of a Llama-style decoder, and top-p.
 
-Notebook 01 builds the decoder in `minillm/model.py`. Here you write its
+Notebook 01 builds the decoder in `minillm/model/transformer.py`. Here you write its
 building blocks yourself, plus two the chapter leaves to torch (grouped-query
 head sharing, the causal mask) and the top-p sampler:
 
@@ -140,7 +140,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     pairs query heads with the wrong keys. `expand` + `reshape` (or
     `repeat_interleave` on dim 1) gives 0, 0, 1, 1; `expand` alone copies
     nothing. (torch's SDPA does this itself with `enable_gqa=True`, as
-    `minillm/model.py` uses it.)
+    `minillm/model/transformer.py` uses it.)
     """
     raise NotImplementedError("ch01: implement repeat_kv")
 
@@ -164,7 +164,7 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = Non
     Returns:
         bool tensor [q_len, kv_len] (True = attend), the convention of
         `torch.nn.functional.scaled_dot_product_attention(attn_mask=...)` and
-        of `minillm.model.Transformer(mask=...)` (after adding [None, None]).
+        of `minillm.model.transformer.Transformer(mask=...)` (after adding [None, None]).
 
     Raises:
         ValueError: if q_len > kv_len.

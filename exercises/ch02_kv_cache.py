@@ -1,6 +1,6 @@
 """Chapter 02 exercises: what a KV cache costs, a cache that stays small, a cache that forks.
 
-Notebook 02 adds `minillm/kv_cache.py`: every token's keys and values, written once
+Notebook 02 adds `minillm/cache/contiguous.py`: every token's keys and values, written once
 at the token's position in a buffer [layers, batch, kv_heads, max_len, head_dim]
 and read by every later step. Here you size such a cache, bound it, and split it:
 
@@ -10,7 +10,7 @@ and read by every later step. Here you size such a cache, bound it, and split it
     fork_cache          copy and reorder a cache's rows, for n samples of one
                         prompt and for beam search
 
-`minillm.model.Transformer` accepts any object as its `cache=` that has the two
+`minillm.model.transformer.Transformer` accepts any object as its `cache=` that has the two
 methods `KVCache` has (it never looks inside):
 
     causal_mask(positions [B, T]) -> bool [B, 1, T, S]      (True = attend), called once
@@ -60,7 +60,7 @@ def kv_cache_bytes(config: dict[str, Any], tokens: int, batch: int, dtype: torch
             gives its size in bytes).
 
     Returns:
-        The number of bytes, an int (what `minillm.kv_cache.KVCache(...).nbytes` holds
+        The number of bytes, an int (what `minillm.cache.contiguous.KVCache(...).nbytes` holds
         for a cache of that many slots).
 
     Pitfalls: the cache stores the *kv* heads, not the query heads (grouped-query
@@ -192,7 +192,7 @@ def fork_cache(cache: Any, parent_rows: list[int] | torch.Tensor) -> Any:
         new.k[:, i] = cache.k[:, parent_rows[i]]     (and v; every layer, head, slot)
 
     Args:
-        cache: a `minillm.kv_cache.KVCache`: tensors `cache.k` and `cache.v` of
+        cache: a `minillm.cache.contiguous.KVCache`: tensors `cache.k` and `cache.v` of
             layout [layers, batch, kv_heads, max_len, head_dim]; other attributes
             (e.g. `kv_len`) must carry over unchanged.
         parent_rows: [new_batch] row indices into `cache` (a list or a long tensor),

@@ -3,7 +3,7 @@
 An int8 engine stores each activation x as round(x / scale), clamped to -127..127, and
 multiplies integers. The whole art is the choice of `scale = threshold / 127` for every
 tensor: a threshold at the largest |x| wastes the grid on one outlier, a threshold too low
-clips values that matter. Notebook 04 builds `minillm/calibrate.py`; here you write the
+clips values that matter. Notebook 04 builds `minillm/quant/calibrate.py`; here you write the
 pieces yourself:
 
     fake_quantize_int8       quantize and dequantize: int8's error, seen in fp32
@@ -113,7 +113,7 @@ def calibrate_linear_inputs(
     ids (under `torch.inference_mode()`), remove the hooks (also when the forward raises:
     try/finally), and return {name: percentile_scale(all values seen, percentile)}.
 
-    The tests plug your scales into `minillm.calibrate.fake_quantize_model`: every linear
+    The tests plug your scales into `minillm.quant.calibrate.fake_quantize_model`: every linear
     then quantizes its input to int8 with your scale and its weight per channel, and the
     model's held-out perplexity must stay within 5% of fp32 with >= 90% of next-token
     predictions unchanged.

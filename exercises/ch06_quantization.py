@@ -1,6 +1,6 @@
 """Chapter 06 exercises: 4-bit weights you pack, quantize and multiply yourself.
 
-Notebook 06 builds `minillm/quant.py`: INT8 per channel, group-wise INT4 packed two codes
+Notebook 06 builds `minillm/quant/formats.py`: INT8 per channel, group-wise INT4 packed two codes
 per byte, NF4. Here you write the core of group-wise INT4 in plain torch:
 
     pack_int4             two 4-bit codes per uint8 byte (and back: unpack_int4)

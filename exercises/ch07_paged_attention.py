@@ -1,7 +1,8 @@
 """Chapter 07 exercises: the bookkeeping behind PagedAttention, on plain lists and tensors.
 
-Notebook 07 adds `minillm/paged.py`: the KV cache cut into blocks of `block_size` tokens
-drawn from one pool, a block table per sequence (logical block i -> physical block id),
+Notebook 07 adds `minillm/cache/block_manager.py`: the KV cache cut into blocks of
+`block_size` tokens drawn from one pool, a block table per sequence (logical block i ->
+physical block id),
 reference counts so that sequences can share blocks, copy-on-write when a shared block is
 written, and a prefix cache that finds a new prompt's first blocks already in the pool.
 Here you write the four pieces that make it work:

@@ -1,10 +1,11 @@
 """Chapter 10 exercises: speculative decoding's acceptance rule, and when it pays.
 
-Notebook 10 (the FAQ lab, question on speculative decoding) runs `minillm/speculative.py`:
-a small draft model proposes k tokens, the target scores all of them in one forward,
-and a rule decides how many to keep. Greedy decoding keeps a proposal when it is the
-target's argmax; sampling needs a rule that keeps the target's distribution intact.
-Here you write that rule and the arithmetic that says when the trick is worth it:
+Notebook 10 (the FAQ lab, question on speculative decoding) runs
+`minillm/generation/speculative.py`: a small draft model proposes k tokens, the target
+scores all of them in one forward, and a rule decides how many to keep. Greedy decoding
+keeps a proposal when it is the target's argmax; sampling needs a rule that keeps the
+target's distribution intact. Here you write that rule and the arithmetic that says when
+the trick is worth it:
 
     accept_or_resample         keep proposal i with probability min(1, p/q), else
                                resample from max(0, p - q): output ~ the target's p

@@ -1,10 +1,32 @@
-"""minillm: a small LLM inference engine built chapter by chapter in the course."""
+"""minillm: a small LLM inference engine built chapter by chapter in the course.
 
-from minillm.generate import generate, generate_naive
-from minillm.model import ModelConfig, Transformer
-from minillm.sampling import SamplingParams
-from minillm.tokenizer import Tokenizer
-from minillm.weights import BUNDLED_DIR, BUNDLED_DRAFT_DIR, load_model, load_tokenizer, save_model
+The package is layered; each folder imports only from the ones listed before it:
+
+    kernels, lab    Triton kernels with their PyTorch references; measuring tools (leaves)
+    cache           the KV caches the model attends through (contiguous, paged)
+    model           the decoder, its config, checkpoints, tokenizer
+    generation      sampling and the generation loops (naive, cached, static, paged, speculative)
+    training        corpus, tokenizer training, the training script, perplexity
+    quant           quantization formats and QuantLinear; INT8 calibration and layer fusion
+    export          ONNX / ONNX Runtime, TensorRT, GGUF
+    engine          continuous batching: sequence, scheduler, model runner, LLMEngine, LLM
+    serving         the OpenAI-compatible server
+    bench           the benchmark harness over every backend
+
+`tests/test_layers.py` checks that order.
+"""
+
+from minillm.generation import SamplingParams, generate, generate_naive
+from minillm.model import (
+    BUNDLED_DIR,
+    BUNDLED_DRAFT_DIR,
+    ModelConfig,
+    Tokenizer,
+    Transformer,
+    load_model,
+    load_tokenizer,
+    save_model,
+)
 
 __all__ = [
     "BUNDLED_DIR",

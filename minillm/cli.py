@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from minillm.engine.server import serve
+    from minillm.serving.api_server import serve
 
     serve(
         model=args.model,

@@ -1,7 +1,7 @@
 """Chapter 01 reference answers: same functions and docstrings' contract as
 `exercises/ch01_basics.py`, written in plain torch (read the docstrings there).
 
-The tests compare these with `minillm.model`, `minillm.sampling`, transformers
+The tests compare these with `minillm.model`, `minillm.generation.sampling`, transformers
 and torch's SDPA, so nothing here imports minillm.
 """
 

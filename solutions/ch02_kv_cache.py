@@ -1,8 +1,8 @@
 """Chapter 02 reference answers: same API and docstrings' contract as
 `exercises/ch02_kv_cache.py`, written in plain torch (read the docstrings there).
 
-The tests compare these with `minillm.model.Transformer` run without a cache (and with
-an explicit mask), and with `minillm.kv_cache.KVCache`, so nothing here imports minillm.
+The tests compare these with `minillm.model.transformer.Transformer` run without a cache (and with
+an explicit mask), and with `minillm.cache.contiguous.KVCache`, so nothing here imports minillm.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chapter 07 answers: the reference for `exercises/ch07_paged_attention.py`.
 
 Written from scratch in plain Python and torch (no minillm import): the tests compare
-these functions with `minillm.paged`.
+these functions with `minillm.cache`.
 """
 
 from __future__ import annotations

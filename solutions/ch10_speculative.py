@@ -2,7 +2,7 @@
 `exercises/ch10_speculative.py`, in plain torch (read the docstrings there).
 
 The tests count draws against the target's distribution and compare with
-`minillm.speculative`, so nothing here imports minillm.
+`minillm.generation.speculative`, so nothing here imports minillm.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def test_unavailable_backends_are_listed_with_a_reason():
 
 def test_openai_backend_against_a_minillm_server(model):
     from minillm.engine import Engine
-    from minillm.engine.server import create_app
+    from minillm.serving.api_server import create_app
 
     app = create_app(Engine(model, load_tokenizer(), max_num_seqs=4), "bundled")
     with running(app) as url:
@@ -190,7 +190,7 @@ def test_tensorrt_backend_loop_on_the_graph_tensorrt_compiles(model, prompts):
     from minillm import SamplingParams, generate
     from minillm.bench.backends import greedy_without_cache
     from minillm.bench.workload import Request
-    from minillm.trt import export_program, llm_profile
+    from minillm.export.tensorrt import export_program, llm_profile
 
     context = model.config.max_position_embeddings
     graph = export_program(model, llm_profile(context, max_batch=1, opt_batch=1)).module()

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_model, load_tokenizer
-from minillm.evaluate import held_out_ids, next_token_agreement, perplexity
+from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 PROMPT = "In the beginning God created"
 

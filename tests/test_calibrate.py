@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.calibrate import (
+from minillm.model import load_tokenizer
+from minillm.quant.calibrate import (
     QMAX,
     calibration_batches,
     collect_stats,
@@ -20,8 +21,7 @@ from minillm.calibrate import (
     threshold,
     weight_scales,
 )
-from minillm.evaluate import held_out_ids, next_token_agreement, perplexity
-from minillm.weights import load_tokenizer
+from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 OUTLIERS = torch.tensor([40.0, -35.0, 30.0, 25.0, -50.0])
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from minillm.configs import CONFIGS, random_model
-from minillm.model import ModelConfig, Transformer
+from minillm.model import CONFIGS, ModelConfig, Transformer, random_model
 
 PUBLISHED = {  # parameters, from the hub's safetensors metadata
     "SmolLM2-135M": 134_515_008,

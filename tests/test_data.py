@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.data import (
+from minillm.model import Tokenizer
+from minillm.training.data import (
     ENDOFTEXT,
     batches,
     encode_corpus,
@@ -19,7 +20,6 @@ from minillm.data import (
     split_corpus,
     train_tokenizer,
 )
-from minillm.tokenizer import Tokenizer
 
 SAMPLES = [
     "In the beginning God created the heaven and the earth.\n",

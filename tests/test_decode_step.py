@@ -7,15 +7,15 @@ import torch
 from helpers import greedy
 
 from minillm import generate, generate_naive
-from minillm.decode_step import (
+from minillm.generation import generate_static
+from minillm.generation.cached import prefill
+from minillm.generation.static import (
     CompileCounter,
     compile_decode_step,
     decode_step,
     explain_step,
-    generate_static,
     naive_decode_step,
 )
-from minillm.generate import prefill
 from minillm.model import ModelConfig, Transformer
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from minillm import SamplingParams as BaseParams
 from minillm import generate, load_tokenizer
 from minillm.engine import LLM, Engine, SamplingParams
-from minillm.engine.engine import stop_text_holdback
+from minillm.engine.llm_engine import stop_text_holdback
 from minillm.kernels import triton_status
 
 

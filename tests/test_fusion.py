@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate
-from minillm.fusion import FusedAttention, FusedMLP, count_ops, fuse_model, ops_per_forward
+from minillm.lab import count_ops, ops_per_forward
 from minillm.model import ModelConfig, Transformer
+from minillm.quant.fusion import FusedAttention, FusedMLP, fuse_model
 
 OPTIONS = [
     {},

@@ -6,7 +6,7 @@ from helpers import greedy
 from hf_reference import build_hf, hf_greedy
 
 from minillm import SamplingParams, generate, generate_naive, load_model
-from minillm.kv_cache import KVCache
+from minillm.cache import KVCache
 from minillm.model import ModelConfig, Transformer
 
 

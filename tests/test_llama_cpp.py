@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate, load_tokenizer
-from minillm.gguf_export import export_gguf, gguf_name, rope_to_interleaved
-from minillm.weights import BUNDLED_DIR, load_state_dict
+from minillm.export.gguf import export_gguf, gguf_name, rope_to_interleaved
+from minillm.model import BUNDLED_DIR
+from minillm.model.weights import load_state_dict
 
 gguf = pytest.importorskip("gguf")
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None

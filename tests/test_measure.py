@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.measure import (
+from minillm.lab import (
     Roofline,
     count_flops,
     format_bytes,

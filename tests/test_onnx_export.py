@@ -10,23 +10,22 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from minillm import SamplingParams, generate  # noqa: E402
-from minillm.generate import eager_decode_step, prefill  # noqa: E402
-from minillm.model import ModelConfig, Transformer  # noqa: E402
-from minillm.onnx_export import (  # noqa: E402
-    LEVELS,
-    FrozenAxisError,
-    OrtDecoder,
+from minillm.export.onnx import (
     UnsupportedOpError,
-    check_onnx,
     export_decoder_step,
     export_forward,
     export_module,
-    graph_shapes,
-    op_counts,
+)
+from minillm.export.onnx_checks import FrozenAxisError, check_onnx, graph_shapes, op_counts
+from minillm.export.onnx_runtime import (
+    LEVELS,
+    OrtDecoder,
     ort_logits_fn,
     ort_session,
     quantize_int8,
 )
+from minillm.generation.cached import eager_decode_step, prefill  # noqa: E402
+from minillm.model import ModelConfig, Transformer  # noqa: E402
 
 TOL = 1e-4
 
@@ -193,7 +192,7 @@ def test_ort_optimisations_fuse_nodes_without_changing_results(model, forward_pa
 
 
 def test_int8_quantized_graph_is_smaller_and_close(model, forward_path, onnx_dir):
-    from minillm.evaluate import next_token_agreement
+    from minillm.training import next_token_agreement
 
     path = quantize_int8(forward_path, onnx_dir / "int8.onnx")
     assert "DynamicQuantizeLinear" in op_counts(path) or "MatMulInteger" in op_counts(path)

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minillm import generate
-from minillm.kv_cache import KVCache
-from minillm.paged import BlockManager, OutOfBlocks, PagedKVCache, block_hash, generate_paged
+from minillm.cache import BlockManager, KVCache, OutOfBlocks, PagedKVCache
+from minillm.cache.block_manager import block_hash
+from minillm.generation import generate_paged
 
 # ------------------------------------------------------------------ block manager, by hand
 

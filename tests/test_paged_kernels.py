@@ -121,8 +121,8 @@ def test_flash_prefill_rejects_bad_tiles():
 def test_paged_decode_on_the_models_cache(model, prompts):
     """The Triton kernel reads a PagedKVCache filled by the model exactly as the
     reference gather does."""
+    from minillm.cache import BlockManager, PagedKVCache
     from minillm.kernels.paged_attention import paged_attention, paged_attention_ref
-    from minillm.paged import BlockManager, PagedKVCache
 
     cfg, m = model.config, BlockManager(12, 4)
     cache = PagedKVCache(cfg, 12, 4)
@@ -153,7 +153,7 @@ def test_paged_decode_on_the_models_cache(model, prompts):
 def test_paged_cache_attention_hook_matches_sdpa_over_the_cache(model, prompts):
     """PagedKVCache.attention (the proposed model hook): a decode step through the Triton
     kernel equals update + SDPA with the causal mask (the path the model takes today)."""
-    from minillm.paged import BlockManager, PagedKVCache
+    from minillm.cache import BlockManager, PagedKVCache
 
     cfg, m = model.config, BlockManager(12, 4)
     caches = [PagedKVCache(cfg, 12, 4, device=DEVICE) for _ in range(2)]
@@ -188,7 +188,7 @@ def test_paged_cache_attention_hook_matches_sdpa_over_the_cache(model, prompts):
 def test_model_with_the_paged_kernel_gives_the_contiguous_caches_greedy_tokens(model, prompts):
     """use_kernel=True: every decode step of the model attends with the Triton kernel."""
     from minillm import SamplingParams, generate
-    from minillm.paged import generate_paged
+    from minillm.generation import generate_paged
 
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     model = model.to(DEVICE)

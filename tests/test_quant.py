@@ -13,20 +13,18 @@ import torch
 from torch import nn
 
 from minillm import quant
-from minillm.evaluate import held_out_ids, next_token_agreement, perplexity
+from minillm.model import load_model, load_tokenizer
 from minillm.quant import (
-    NF4_CODE,
     QuantLinear,
     absmax_quantize,
     dequantize,
-    pack_int4,
     quantize_int4,
     quantize_model,
     quantize_nf4,
-    unpack_int4,
     zeropoint_quantize,
 )
-from minillm.weights import load_model, load_tokenizer
+from minillm.quant.formats import NF4_CODE, pack_int4, unpack_int4
+from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

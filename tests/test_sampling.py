@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minillm.sampling import SamplingParams, make_generator, sample, top_k_filter, top_p_filter
+from minillm.generation import SamplingParams
+from minillm.generation.sampling import make_generator, sample, top_k_filter, top_p_filter
 
 
 def test_greedy_is_argmax():

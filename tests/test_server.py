@@ -16,9 +16,9 @@ import uvicorn
 
 from minillm import load_tokenizer
 from minillm.engine import Engine, SamplingParams
-from minillm.engine.protocol import default_chat_template, load_chat_template
-from minillm.engine.server import build_app, create_app
-from minillm.weights import BUNDLED_DIR
+from minillm.model import BUNDLED_DIR
+from minillm.serving.api_server import build_app, create_app
+from minillm.serving.protocol import default_chat_template, load_chat_template
 
 NAME = "minillm-bundled"
 PROMPTS = ["In the beginning", "And the LORD said unto Moses", "Blessed are"]

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate
+from minillm.generation import speculative_generate
+from minillm.generation.sampling import probabilities
+from minillm.generation.speculative import verify
 from minillm.model import ModelConfig, Transformer
-from minillm.sampling import probabilities
-from minillm.speculative import speculative_generate, verify
 
 
 def tiny(vocab: int, dim: int, layers: int, seed: int) -> Transformer:

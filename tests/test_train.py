@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from minillm import load_model
-from minillm.train import main
+from minillm.training.train import main
 
 
 def test_train_a_few_steps_on_a_slice(tmp_path):

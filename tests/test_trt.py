@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.model import ModelConfig, Transformer
-from minillm.trt import (
+from minillm.export.tensorrt import (
     CPU_EP,
     CUDA_EP,
     TRT_EP,
@@ -23,6 +22,7 @@ from minillm.trt import (
     trt_compile_settings,
     trt_input_spec,
 )
+from minillm.model import ModelConfig, Transformer
 
 STATUS = gpu_status()
 needs_cpu_only = pytest.mark.skipif(STATUS["cuda"], reason="checks the error seen without CUDA")
@@ -139,7 +139,7 @@ def test_torch_tensorrt_engine_matches_eager_fp16():
 
 @pytest.mark.skipif(CUDA_EP not in STATUS["ort_providers"], reason="needs onnxruntime-gpu")
 def test_ort_cuda_session_matches_eager(tmp_path):
-    from minillm.trt import export_onnx, ort_cuda_fn
+    from minillm.export.tensorrt import export_onnx, ort_cuda_fn
 
     model = tiny_model()
     fn = ort_cuda_fn(ort_gpu_session(export_onnx(model, tmp_path / "m.onnx"), "cuda"), 128)

@@ -2,7 +2,7 @@
 
 import sys
 
-from minillm.bench import main
+from minillm.bench.command import main
 
 try:
     main()

@@ -22,7 +22,7 @@ SERVERS = {  # engines that run as a server: how to start one and point the harn
     "openai:http://127.0.0.1:30000/v1",
     "tgi": "docker run ghcr.io/huggingface/text-generation-inference --model-id MODEL "
     "(port 80 mapped to 8080), then openai-chat:http://127.0.0.1:8080/v1",
-    "llama.cpp": "python -m minillm.gguf_export MODEL.gguf; python -m llama_cpp.server --model "
+    "llama.cpp": "python -m minillm.export.gguf MODEL.gguf; python -m llama_cpp.server --model "
     "MODEL.gguf --port 8080 --interrupt_requests False, then openai-text:http://127.0.0.1:8080/v1",
 }
 ALL = [*IN_PROCESS, *SERVERS]
@@ -87,7 +87,7 @@ class HFBackend(Backend):
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, StaticCache
 
-        from minillm.weights import BUNDLED_DIR
+        from minillm.model.weights import BUNDLED_DIR
 
         path = self.model_path or BUNDLED_DIR
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -122,8 +122,9 @@ class OrtBackend(Backend):
     """Chapter 03: the decoder-step ONNX graph on ONNX Runtime (CPU provider), batch 1."""
 
     def load(self) -> None:
-        from minillm.onnx_export import OrtDecoder, export_decoder_step, ort_session
-        from minillm.weights import load_model
+        from minillm.export.onnx import export_decoder_step
+        from minillm.export.onnx_runtime import OrtDecoder, ort_session
+        from minillm.model.weights import load_model
 
         if self.device != "cpu":
             raise Unavailable("the harness runs ORT on its CPU provider: use --device cpu")
@@ -172,8 +173,8 @@ class TensorRTBackend(Backend):
     def load(self) -> None:
         if not torch.cuda.is_available():
             raise Unavailable("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
-        from minillm.trt import compile_tensorrt, llm_profile, require_torch_tensorrt
-        from minillm.weights import load_model
+        from minillm.export.tensorrt import compile_tensorrt, llm_profile, require_torch_tensorrt
+        from minillm.model.weights import load_model
 
         try:
             require_torch_tensorrt()
@@ -195,7 +196,7 @@ class EngineBackend(Backend):
 
     def load(self) -> None:
         from minillm.engine import Engine
-        from minillm.weights import load_model, load_tokenizer
+        from minillm.model.weights import load_model, load_tokenizer
 
         model = load_model(self.model_path, device=self.device)
         self.engine = Engine(model, load_tokenizer(self.model_path))
@@ -218,37 +219,3 @@ class EngineBackend(Backend):
                     done[running.pop(out.request_id)] = trace
                     bar.update()
         return [done[i] for i in range(len(requests))]
-
-
-def make_backend(spec: str, model_path: str | None, device: str, threads: int) -> Backend:
-    """The backend for `spec`; raises Unavailable (why, what to do) or ValueError (unknown)."""
-    kinds = {"hf": HFBackend, "hf-compile": HFBackend, "ort": OrtBackend}
-    kinds.update({"tensorrt": TensorRTBackend, "minillm": EngineBackend})
-    if spec in kinds:
-        return kinds[spec](spec, model_path, device, threads)
-    if spec.startswith(OPENAI_PREFIXES):
-        from minillm.bench.openai_http import OpenAIBackend  # imports this module
-
-        return OpenAIBackend(spec, model_path, device, threads)
-    if spec in SERVERS:
-        raise Unavailable(f"a server: start it ({SERVERS[spec]})")
-    raise ValueError(
-        f"unknown backend {spec!r}: use {', '.join(ALL)}, openai:URL, openai-text:URL or "
-        "openai-chat:URL"
-    )
-
-
-def parse_backends(text: str) -> list[str]:
-    """Comma-separated backend names; `all` expands to every known one."""
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise ValueError("no backends given: e.g. --backends hf,ort,minillm or all")
-    out: list[str] = []
-    for name in names:
-        if name != "all" and name not in ALL and not name.startswith(OPENAI_PREFIXES):
-            raise ValueError(
-                f"unknown backend {name!r}: use {', '.join(ALL)}, openai:URL, openai-text:URL "
-                "or openai-chat:URL"
-            )
-        out += [b for b in (ALL if name == "all" else [name]) if b not in out]
-    return out

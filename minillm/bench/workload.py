@@ -37,7 +37,7 @@ def make_workload(
 ) -> list[tuple[list[int], int]]:
     """n (prompt ids, output length) pairs, seeded: prompts of uniform length in `prompt_len`
     cut from held-out text, output lengths log-normal (median, sigma) clipped to `output_clip`."""
-    from minillm.evaluate import held_out_ids
+    from minillm.training.evaluate import held_out_ids
 
     rng = random.Random(seed)
     text = held_out_ids(tokenizer).tolist()

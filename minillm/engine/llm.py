@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from minillm.engine.engine import Engine, RequestOutput
-from minillm.sampling import SamplingParams as BaseSamplingParams
-from minillm.weights import load_model, load_tokenizer
+from minillm.engine.llm_engine import Engine, RequestOutput
+from minillm.generation.sampling import SamplingParams as BaseSamplingParams
+from minillm.model.weights import load_model, load_tokenizer
 
 Prompt = str | list[int] | dict
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from minillm.cache.block_manager import BlockManager
+from minillm.cache.paged import PagedKVCache
 from minillm.engine.scheduler import Batch
 from minillm.engine.sequence import Sequence
-from minillm.model import Transformer
-from minillm.paged import BlockManager, PagedKVCache
-from minillm.sampling import sample
+from minillm.generation.sampling import sample
+from minillm.model.transformer import Transformer
 
 
 class ModelRunner:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from minillm.cache.block_manager import BlockManager
 from minillm.engine.sequence import Sequence, Status
-from minillm.paged import BlockManager
 
 
 @dataclass

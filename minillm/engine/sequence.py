@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.sampling import SamplingParams as _BaseSamplingParams
-from minillm.sampling import make_generator
+from minillm.generation.sampling import SamplingParams as _BaseSamplingParams
+from minillm.generation.sampling import make_generator
 
 
 @dataclass

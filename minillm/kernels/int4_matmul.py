@@ -1,5 +1,5 @@
 """Fused INT4 dequantize-and-matmul for the decode shape: a few rows of activations times a
-group-wise INT4 weight packed two codes per byte (`minillm.quant.quantize_int4`).
+group-wise INT4 weight packed two codes per byte (`minillm.quant.formats.quantize_int4`).
 
 At batch-1 decode a linear layer reads every weight once for one row of output: the
 time is the weight bytes read. Dequantizing the whole weight to fp16 in memory first
@@ -15,10 +15,11 @@ kernel splits x into its even and odd columns: y = x_even @ w_lo^T + x_odd @ w_h
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from minillm.kernels import require_triton
-from minillm.quant import Int4Weight
 
 try:
     import triton
@@ -27,7 +28,19 @@ except ImportError:  # the reference path still works; the kernel says what is m
     triton = None
 
 
-def int4_matmul_reference(x: torch.Tensor, qw: Int4Weight) -> torch.Tensor:
+class PackedInt4(Protocol):
+    """The packed weight the kernel reads (`minillm.quant.Int4Weight` is one): uint8 codes
+    [out, in/2], a scale (and, asymmetric, a uint8 zero point) per group of `group_size`."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor: ...
+
+
+def int4_matmul_reference(x: torch.Tensor, qw: PackedInt4) -> torch.Tensor:
     """PyTorch path: dequantize the whole weight, then x @ w^T (what QuantLinear does)."""
     return x @ qw.dequantize().to(x.dtype).T
 
@@ -84,7 +97,7 @@ if triton is not None:
 
 
 def int4_matmul(
-    x: torch.Tensor, qw: Int4Weight, block_n: int = 32, block_k: int | None = None
+    x: torch.Tensor, qw: PackedInt4, block_n: int = 32, block_k: int | None = None
 ) -> torch.Tensor:
     """y = x @ dequantize(qw)^T with the fused Triton kernel. x: [M, K] fp32/fp16 on the
     weight's device (a GPU, or the CPU under TRITON_INTERPRET=1); y: [M, N] in x's dtype."""

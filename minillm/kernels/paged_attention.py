@@ -4,14 +4,14 @@ In a decode step every running sequence adds one token, and that token attends t
 its sequence's cached keys and values, which live scattered over the block pool. Two ways:
 
 - `paged_attention_ref` (PyTorch): gather each sequence's blocks into a contiguous tensor
-  (`minillm.paged.gather_kv`), then ordinary attention. Simple, but it copies the whole
+  (`gather_kv`), then ordinary attention. Simple, but it copies the whole
   cache every step: extra memory traffic on a step that is all memory traffic.
 - `paged_attention` (Triton): one program per (sequence, kv head) walks the sequence's
   block table and reads each K/V block in place, keeping a running (online) softmax, so
   nothing is gathered. With grouped-query attention the program serves all the query heads
   of its kv head at once, so each K/V block is read once, not once per query head.
 
-Layouts (as `minillm.paged.PagedKVCache` stores one layer):
+Layouts (as `minillm.cache.paged.PagedKVCache` stores one layer):
   q             [B, heads, head_dim]            the new token of each sequence
   k_pool/v_pool [num_blocks, block_size, kv_heads, head_dim]
   block_tables  [B, max_blocks] int             physical block of each logical block
@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from minillm.kernels import require_triton
-from minillm.paged import gather_kv
+
+
+def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference read: pool [num_blocks, block_size, kv_heads, d] and tables
+    [B, max_blocks] (-1 = none) to contiguous [B, kv_heads, max_blocks*block_size, d]."""
+    g = pool[block_tables.clamp(min=0)]  # [B, max_blocks, block_size, kv_heads, d]
+    return g.flatten(1, 2).transpose(1, 2)
 
 
 def paged_attention_ref(

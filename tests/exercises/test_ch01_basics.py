@@ -19,9 +19,10 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary
 from transformers.models.llama.modeling_llama import repeat_kv as hf_repeat_kv
 
-from minillm.model import ModelConfig, RMSNorm, Transformer, apply_rope, rope_cos_sin, rope_inv_freq
-from minillm.sampling import top_k_filter
-from minillm.sampling import top_p_filter as minillm_top_p
+from minillm.generation.sampling import top_k_filter
+from minillm.generation.sampling import top_p_filter as minillm_top_p
+from minillm.model import ModelConfig, Transformer
+from minillm.model.transformer import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:

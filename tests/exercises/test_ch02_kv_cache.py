@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kv_cache import KVCache
+from minillm.cache import KVCache
 from minillm.model import ModelConfig, Transformer
 
 ATOL = 1e-4

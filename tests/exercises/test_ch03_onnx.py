@@ -14,7 +14,9 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from minillm.onnx_export import check_onnx, export_module, ort_session  # noqa: E402
+from minillm.export.onnx import export_module  # noqa: E402
+from minillm.export.onnx_checks import check_onnx  # noqa: E402
+from minillm.export.onnx_runtime import ort_session  # noqa: E402
 
 TOL = 1e-5
 DYN = torch.export.Dim.DYNAMIC

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from minillm import load_model, load_tokenizer
-from minillm.calibrate import calibration_batches, fake_quantize_model, histogram_stats
-from minillm.evaluate import held_out_ids, next_token_agreement, perplexity
+from minillm.quant.calibrate import calibration_batches, fake_quantize_model, histogram_stats
+from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 OUTLIERS = torch.tensor([40.0, -35.0, 30.0, 25.0, -50.0])
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.quant import Int4Weight, pack_int4, unpack_int4
+from minillm.quant import Int4Weight
+from minillm.quant.formats import pack_int4, unpack_int4
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

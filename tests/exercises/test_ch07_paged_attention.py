@@ -1,4 +1,4 @@
-"""Chapter 07 exercises, graded against minillm.paged.
+"""Chapter 07 exercises, graded against minillm.cache.
 
 `ch07` is the module under test (solutions/ by default, exercises/ with
 MINILLM_IMPL=exercises). Test names start with `test_ch07_<exercise>`.
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from minillm.paged import BlockManager, OutOfBlocks
-from minillm.paged import gather_kv as minillm_gather_kv
+from minillm.cache import BlockManager, OutOfBlocks
+from minillm.kernels.paged_attention import gather_kv as minillm_gather_kv
 
 
 def raises_runtime_error(fn, *args) -> None:

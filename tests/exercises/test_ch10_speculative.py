@@ -6,7 +6,7 @@ MINILLM_IMPL=exercises (see conftest.py). `-k "ch10 and accept"` picks one exerc
 The reference for the rule is a distribution, not a function: whatever the draft
 proposes, the emitted tokens must be distributed as the target's p. The tests draw
 thousands of rounds and compare the counts with p by Pearson's chi-square test at the
-1-in-1,000 level, then check the rule agrees with `minillm.speculative` where the
+1-in-1,000 level, then check the rule agrees with `minillm.generation.speculative` where the
 answer is certain (p == q keeps everything, p = 0 is never emitted).
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from minillm import SamplingParams, load_model
-from minillm.speculative import speculative_generate
+from minillm.generation import speculative_generate
 
 
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, str]:

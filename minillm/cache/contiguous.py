@@ -1,0 +1,70 @@
+"""A contiguous, pre-allocated KV cache: chapter 02's fix for the O(n^2) naive loop.
+
+Without a cache, generating token n re-computes the keys and values of all n-1
+tokens before it. With one, each token's K and V are computed once, written into
+a buffer at the token's position, and read back by every later step.
+
+Layout: one buffer for K and one for V, [layers, batch, kv_heads, max_len, head_dim].
+It stores the *kv* heads, not the query heads they serve (grouped-query attention),
+so a model with 9 query heads and 3 kv heads caches a third of what multi-head
+attention would.
+
+Sequences of different lengths share the buffer without padding masks: sequence b's
+token at position p lives in slot p of row b, and a query at position p attends to
+slots 0..p of its row. Slots past a sequence's end may hold junk (from padding in a
+batched prefill) but are never read before being overwritten by the real token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.cache.protocol import ModelShape
+
+
+class KVCache:
+    """Per-layer K/V buffers for `batch_size` sequences of up to `max_len` tokens."""
+
+    def __init__(
+        self,
+        cfg: ModelShape,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's context of "
+                f"{cfg.max_position_embeddings} positions"
+            )
+        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # How many slots attention reads. Generation lowers it to the longest sequence so
+        # far (less work per step); a compiled step keeps max_len (fixed shapes).
+        self.kv_len = max_len
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated: 2 x layers x batch x kv_heads x max_len x head_dim x dtype size."""
+        return self.k.nbytes + self.v.nbytes
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, kv_heads, T, head_dim] at `positions` [B, T]; return the layer's
+        first `kv_len` slots of K and V [B, kv_heads, kv_len, head_dim]."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1] against [B, T]
+        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[layer, :, :, : self.kv_len], self.v[layer, :, :, : self.kv_len]
+
+    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool [B, 1, T, kv_len]: a query at position p sees slots 0..p of its row."""
+        slots = torch.arange(self.kv_len, device=positions.device)
+        return (slots <= positions[..., None])[:, None]

@@ -1,0 +1,68 @@
+"""The one sampling loop every generator of the course runs, with its stop policy and
+its length check.
+
+Cached, compiled, paged and ONNX Runtime generation differ only in how they get the next
+logits (`step`); the sampling, the per-row RNGs, the stop tokens and max_tokens live here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from minillm.generation.sampling import SamplingParams, sample
+from minillm.model.transformer import Transformer
+
+
+def check_length(model: Transformer, prompt_len: int, max_tokens: int) -> None:
+    """Refuse a request that would run past the positions the model was trained on."""
+    limit = model.config.max_position_embeddings
+    if prompt_len == 0:
+        raise ValueError("empty prompt: give at least one token")
+    if prompt_len + max_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {limit} positions: shorten the prompt or lower max_tokens"
+        )
+
+
+def stop_ids(model: Transformer, params: SamplingParams) -> set[int]:
+    """Token ids that end generation: the model's EOS (unless ignored) and stop_token_ids."""
+    eos = model.config.eos_token_id
+    eos = [] if eos is None or params.ignore_eos else [eos] if isinstance(eos, int) else eos
+    return {*eos, *params.stop_token_ids}
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+) -> torch.Tensor:
+    """One token per row; each row draws from its own RNG, so a seeded request gives the
+    same tokens whether it runs alone or in a batch."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return torch.cat([sample(logits[b : b + 1], params, g) for b, g in enumerate(generators)])
+
+
+def sample_loop(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    step: Callable[[torch.Tensor], torch.Tensor],
+    stops: set[int],
+    generators: list[torch.Generator],
+) -> list[list[int]]:
+    """Sample a token per row from `logits` [B, vocab], give the tokens [B] to `step` for the
+    next logits, repeat: each row stops at a stop token or after max_tokens (finished rows
+    ride along, their tokens unused). Every generation loop of the course (cached, compiled,
+    paged, ONNX Runtime) is this loop with its own `step`."""
+    out, done = [[] for _ in generators], [False] * len(generators)
+    for i in range(params.max_tokens):
+        tokens = _sample_rows(logits, params, generators)
+        for b, token in enumerate(tokens.tolist()):
+            if not done[b]:
+                out[b].append(token)
+                done[b] = token in stops
+        if all(done) or i == params.max_tokens - 1:
+            break
+        logits = step(tokens)
+    return out

@@ -1,0 +1,41 @@
+"""Measuring tools the notebooks and benchmarks share: speed as ratios measured in one run,
+exact tensor memory, where time goes, the roofline; plots in `minillm.lab.plots`.
+
+A leaf of the package: it imports nothing else of minillm."""
+
+from minillm.lab.memory import (
+    format_bytes,
+    peak_tensor_bytes,
+    rss_bytes,
+    saved_tensor_bytes,
+    trace_tensor_memory,
+)
+from minillm.lab.profile import (
+    Roofline,
+    TimeSplit,
+    count_flops,
+    count_ops,
+    measure_roofline,
+    ops_per_forward,
+    profile_split,
+)
+from minillm.lab.timing import paired_ratios, time_interleaved, time_ratios, time_samples
+
+__all__ = [
+    "Roofline",
+    "TimeSplit",
+    "count_flops",
+    "count_ops",
+    "format_bytes",
+    "measure_roofline",
+    "ops_per_forward",
+    "paired_ratios",
+    "peak_tensor_bytes",
+    "profile_split",
+    "rss_bytes",
+    "saved_tensor_bytes",
+    "time_interleaved",
+    "time_ratios",
+    "time_samples",
+    "trace_tensor_memory",
+]

@@ -1,0 +1,179 @@
+"""A Llama-style decoder in pure PyTorch, small enough to read in one sitting.
+
+Covers the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding
+window) and Qwen2 (bias on the q/k/v projections). Module and parameter names
+match Hugging Face's, so an HF checkpoint loads with a plain `load_state_dict`.
+
+The forward pass takes token ids *and* their positions: chapter 02 adds a KV
+cache by passing positions that continue where the prompt stopped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.cache.protocol import Cache
+from minillm.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 as Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotation frequency of each channel pair, with linear or Llama-3 scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2).float() / dim)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        # Long wavelengths (> original context / low_freq_factor) are slowed down by
+        # `factor`, short ones (< original / high_freq_factor) kept, the band between
+        # interpolated smoothly.
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """cos and sin tables [B, T, head_dim] for integer positions [B, T]."""
+    angles = positions[..., None].float() * inv_freq  # [B, T, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of x [B, H, T, d] by the position angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer's slots of a KV cache this attention owns
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        hd = self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, positions, cos, sin, mask, cache: Cache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if getattr(cache, "use_kernel", False):  # chapter 07: the paged cache's own kernel
+            out = cache.attention(self.layer_idx, q, k, v, positions)
+        else:
+            if cache is not None:  # store this step's K/V, attend over everything stored so far
+                k, v = cache.update(self.layer_idx, k, v, positions)
+            # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, final norm: HF's `model.*` sub-tree."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Token ids [B, T] and positions [B, T] in, next-token logits [B, T, vocab] out."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """`positions` defaults to 0..T-1. Without a cache, attention is causal over the T
+        tokens given; with one, the tokens' K/V are written at their positions and each
+        token attends to every cached position up to its own. `mask` (bool [B, 1, T, S],
+        True = attend) overrides either."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = positions.expand(input_ids.shape[0], -1)
+        if cache is not None and mask is None:
+            mask = cache.causal_mask(positions)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, cos, sin, mask, cache)
+        return self.lm_head(self.model.norm(x))
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,159 @@
+"""Load and save Hugging Face-format checkpoints: config.json + safetensors (sharded too).
+
+The bundled model lives in `minillm/bundled/`; it is the default everywhere so
+that every notebook and test runs offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from minillm.model.config import ModelConfig
+from minillm.model.tokenizer import Tokenizer
+from minillm.model.transformer import Transformer, rope_inv_freq
+
+BUNDLED_DIR = Path(__file__).parents[1] / "bundled"
+# A smaller model with the same tokenizer: the draft for speculative decoding (chapter 10).
+BUNDLED_DRAFT_DIR = Path(__file__).parents[1] / "bundled_draft"
+_HUB_FILES = ["*.json", "*.safetensors"]
+
+
+def resolve_model_dir(path_or_id: str | Path | None = None) -> Path:
+    """A local checkpoint directory: the bundled model for None, a local path, or a hub
+    id downloaded (config, tokenizer and safetensors only) when the hub is reachable."""
+    if path_or_id is None:
+        return BUNDLED_DIR
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    looks_like_id = str(path_or_id).count("/") == 1 and not str(path_or_id).startswith((".", "/"))
+    if not looks_like_id:
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path_or_id), allow_patterns=_HUB_FILES))
+    except Exception as err:  # offline, gated, or a typo: say which fix applies
+        raise FileNotFoundError(
+            f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(err).__name__}: "
+            f"{err}). Offline? Use a local directory, or None for the bundled model."
+        ) from err
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """ModelConfig from config.json, with EOS/BOS from generation_config.json if present."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs config.json")
+    cfg = ModelConfig.from_hf(json.loads(path.read_text()))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        gen = json.loads(gen_path.read_text())
+        cfg.eos_token_id = gen.get("eos_token_id", cfg.eos_token_id)
+        cfg.bos_token_id = gen.get("bos_token_id", cfg.bos_token_id)
+    return cfg
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, from one safetensors file or an indexed set of shards."""
+    model_dir = Path(model_dir)
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(single)
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(model_dir / shard))
+        return state
+    found = sorted(p.name for p in model_dir.iterdir())
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {model_dir} (found: {found}). "
+        "PyTorch .bin checkpoints are not read: re-save with save_pretrained(safe_serialization"
+        "=True)"
+    )
+
+
+def _check_tensors(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+    """Fail on a missing, unexpected or wrongly shaped tensor, naming it and both shapes."""
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    for name in [n for n in state if n.endswith("rotary_emb.inv_freq")]:
+        del state[name]  # old Llama checkpoints saved the rope table: it is recomputed
+    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match config.json: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"shape mismatch for {name}: checkpoint has {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(expected[name].shape)}"
+            )
+
+
+def load_model(
+    path_or_id: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Transformer:
+    """A minillm Transformer in eval mode with the checkpoint's weights."""
+    model_dir = resolve_model_dir(path_or_id)
+    cfg = load_config(model_dir)
+    with torch.device("meta"):  # no memory or init time for weights we overwrite
+        model = Transformer(cfg)
+    state = load_state_dict(model_dir)
+    _check_tensors(model, state)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def load_tokenizer(path_or_id: str | Path | None = None) -> Tokenizer:
+    return Tokenizer(resolve_model_dir(path_or_id))
+
+
+def save_model(model: Transformer, out_dir: str | Path, max_shard_bytes: int | None = None) -> Path:
+    """Write config.json, generation_config.json and safetensors (sharded past
+    `max_shard_bytes`) that both minillm and transformers load."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    cfg.torch_dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared storage; HF omits it too
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, tensor in state.items():
+        size = sum(t.nbytes for t in shards[-1].values())
+        if max_shard_bytes and shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+        shards[-1][name] = tensor
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata=meta)
+        return out_dir
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out_dir / fname, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}}
+    index["weight_map"] = weight_map
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out_dir

@@ -1,0 +1,241 @@
+"""A linear layer that stores its weight quantized (`QuantLinear`), the scheme names that
+select a format, and the model-wide helpers: quantize every linear layer, count weight
+bytes, find activation outliers.
+
+`quantize_model(model, "int4-g128")` swaps every `nn.Linear` of a minillm model for a
+`QuantLinear`. Activation quantization (W8A8) and LLM.int8()'s outlier decomposition are
+simulated in `QuantLinear.forward` to show why per-tensor INT8 activations hurt.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.quant.formats import (
+    Int4Weight,
+    NF4Weight,
+    absmax_quantize,
+    dequantize,
+    quantize_int4,
+    quantize_nf4,
+    zeropoint_quantize,
+)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A weight format: kind 'int8' | 'int4' | 'nf4', group size (0 = per channel / tensor)."""
+
+    kind: str
+    group_size: int = 0
+    symmetric: bool = True
+    per_channel: bool = True
+    double_quant: bool = False
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.kind == "int8" else 4
+
+
+SCHEME_HELP = (
+    "int8 | int8-asym | int8-tensor | int4-g<G> | int4sym-g<G> | nf4-g<G> | nf4-g<G>-dq "
+    "(G = 32, 64, 128, ...)"
+)
+
+
+def parse_scheme(name: str) -> Scheme:
+    """'int8' (symmetric per-channel), 'int8-asym', 'int8-tensor', 'int4-g128' (asymmetric,
+    zero point), 'int4sym-g128', 'nf4-g64', 'nf4-g64-dq' (double quantization)."""
+    if name in ("int8", "int8-asym", "int8-tensor"):
+        return Scheme("int8", symmetric=name != "int8-asym", per_channel=name != "int8-tensor")
+    m = re.fullmatch(r"(int4|int4sym|nf4)-g(\d+)(-dq)?", name)
+    if not m or (m[3] and m[1] != "nf4"):
+        raise ValueError(f"unknown quantization scheme {name!r}: use one of {SCHEME_HELP}")
+    kind = "nf4" if m[1] == "nf4" else "int4"
+    return Scheme(kind, int(m[2]), symmetric=m[1] != "int4", double_quant=bool(m[3]))
+
+
+class QuantLinear(nn.Module):
+    """An `nn.Linear` whose weight is stored quantized and dequantized at every forward.
+
+    Weight-only by default (activations stay in the input dtype). `act` = 'tensor' or
+    'token' also fake-quantizes the input to int8 (one scale per tensor / per row), and
+    `outlier_threshold` keeps input columns with any |x| above it in full precision
+    (LLM.int8()'s mixed-precision decomposition).
+    """
+
+    def __init__(self, linear: nn.Linear, scheme: str | Scheme) -> None:
+        super().__init__()
+        self.scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.dtype = w.dtype
+        s = self.scheme
+        if s.kind == "int8":
+            if s.symmetric:
+                q, scale = absmax_quantize(w, 8, s.per_channel)
+                zero = None
+            else:
+                q, scale, zero = zeropoint_quantize(w, 8, s.per_channel)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero", zero)
+        else:  # every tensor a buffer, so .to(device) moves them
+            qw = (
+                quantize_int4(w, s.group_size, s.symmetric)
+                if s.kind == "int4"
+                else quantize_nf4(w, s.group_size, s.double_quant)
+            )
+            for field in fields(qw):
+                value = getattr(qw, field.name)
+                if isinstance(value, torch.Tensor) or value is None:
+                    self.register_buffer(field.name, value)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+        self.act: str | None = None
+        self.outlier_threshold: float | None = None
+
+    @property
+    def qw(self) -> Int4Weight | NF4Weight:
+        """The packed weight as an `Int4Weight` / `NF4Weight` (4-bit schemes only)."""
+        s = self.scheme
+        if s.kind == "int4":
+            return Int4Weight(self.packed, self.scale, self.zero, s.group_size)
+        return NF4Weight(self.packed, self.absmax, s.group_size, self.dq_scale, self.dq_offset)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight [out, in] as the layer uses it, in the original dtype."""
+        if self.scheme.kind == "int8":
+            w = dequantize(self.qweight, self.scale, self.zero)
+        else:
+            w = self.qw.dequantize()
+        return w.to(self.dtype)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the stored weight: codes + scales (+ zero points), bias not included."""
+        if self.scheme.kind == "int8":
+            return sum(t.nbytes for t in (self.qweight, self.scale, self.zero) if t is not None)
+        return self.qw.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized_weight()
+        if self.act is None:
+            return F.linear(x, w, self.bias)
+        return F.linear(fake_quant_activations(x, self.act, self.outlier_threshold), w, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+def fake_quant_activations(
+    x: torch.Tensor, granularity: str = "tensor", outlier_threshold: float | None = None
+) -> torch.Tensor:
+    """x rounded through int8 absmax (one scale per tensor or per token), except the
+    feature columns holding any |x| > outlier_threshold, which pass through unchanged."""
+    if granularity not in ("tensor", "token"):
+        raise ValueError(f"granularity must be 'tensor' or 'token', got {granularity!r}")
+    keep = None
+    if outlier_threshold is not None:
+        keep = (x.abs() > outlier_threshold).flatten(0, -2).any(0)  # outlier feature columns
+        x_in = x.masked_fill(keep, 0.0)
+    else:
+        x_in = x
+    flat = x_in.flatten(0, -2)
+    q, scale = absmax_quantize(flat, 8, per_channel=granularity == "token")
+    out = dequantize(q, scale).to(x.dtype).view(x.shape)
+    return out if keep is None else torch.where(keep, x, out)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names of every nn.Linear (or QuantLinear) in the model."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear | QuantLinear)]
+
+
+def quantize_model(
+    model: nn.Module, scheme: str | Scheme, keep: Iterable[str] = ("lm_head",)
+) -> nn.Module:
+    """Replace every nn.Linear whose name does not end with one of `keep` by a QuantLinear,
+    in place; returns the model.
+
+    The default keeps `lm_head`: in tied models it is the embedding matrix, and a quantized
+    head would be a second copy next to the full-precision embedding lookup.
+    """
+    keep = tuple(keep)
+    unknown = [k for k in keep if not any(n.endswith(k) for n in linear_names(model))]
+    if unknown:
+        raise ValueError(f"keep={unknown} names no linear layer; layers: {linear_names(model)}")
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and not name.endswith(keep)
+    ]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear(mod, scheme))
+    return model
+
+
+def set_activation_quant(
+    model: nn.Module, granularity: str | None, outlier_threshold: float | None = None
+) -> None:
+    """Turn int8 activation fake-quantization on ('tensor' / 'token') or off (None) in every
+    QuantLinear, with LLM.int8()'s outlier columns kept when `outlier_threshold` is set."""
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.act, mod.outlier_threshold = granularity, outlier_threshold
+
+
+def weight_bytes(model: nn.Module, only_linear: bool = False) -> int:
+    """Bytes of the model's weights as stored: quantized codes and scales for QuantLinear,
+    parameters elsewhere (a tied parameter counted once). `only_linear`: linear layers only
+    (the part quantization replaces)."""
+    total, seen = 0, set()
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += mod.weight_nbytes
+            continue
+        if only_linear and not isinstance(mod, nn.Linear):
+            continue
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen and not (only_linear and p.dim() == 1):
+                seen.add(id(p))
+                total += p.nbytes
+    return total
+
+
+@torch.inference_mode()
+def activation_absmax(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per input feature, the largest |x| seen at the input of each linear layer while the
+    model runs on `ids` [B, T]: where activation outliers live."""
+    stats: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in linear_names(model):
+
+        def hook(mod, args, name=name):
+            amax = args[0].detach().abs().flatten(0, -2).amax(0).float()
+            stats[name] = torch.maximum(stats[name], amax) if name in stats else amax
+
+        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def quantization_error(w: torch.Tensor, scheme: str) -> float:
+    """Relative error ||w - deq(q(w))|| / ||w|| of a 2-D weight under a scheme."""
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data = w.detach().float()
+    deq = QuantLinear(lin, scheme).dequantized_weight()
+    return ((deq - lin.weight).norm() / lin.weight.norm()).item()

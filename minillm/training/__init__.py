@@ -1,0 +1,6 @@
+"""Training the bundled models (`python -m minillm.training.train`), their corpus and
+tokenizer, and the quality measures every chapter uses (perplexity, next-token agreement)."""
+
+from minillm.training.evaluate import held_out_ids, next_token_agreement, perplexity
+
+__all__ = ["held_out_ids", "next_token_agreement", "perplexity"]

@@ -1,0 +1,121 @@
+"""The package's architecture, checked: imports point down the layers, never up, never in
+a circle, and no module grows past what one reading can hold.
+
+Every `import minillm...` counts, including the ones inside functions: a lazy import is
+still a dependency, and a lazy import that points up would only hide a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
+# Lowest first. A module may import its own folder and the folders of lower rank.
+LAYERS = [
+    {"kernels", "lab"},  # leaves: import nothing of minillm
+    {"cache"},
+    {"model"},
+    {"generation"},
+    {"training"},
+    {"quant"},
+    {"export"},
+    {"engine"},
+    {"serving"},
+    {"bench"},
+    {"__init__", "__main__", "cli", "doctor"},  # the package's front door
+]
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+MAX_LINES = 350
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+_ALL_MODULES = {
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in PACKAGE.rglob("*.py")
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The minillm modules (or packages) `path` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "minillm":  # `from minillm import x`: x a submodule or a name
+                found |= {
+                    f"minillm.{a.name}" if f"minillm.{a.name}" in _ALL_MODULES else "minillm"
+                    for a in node.names
+                }
+            elif node.module.startswith("minillm."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("minillm.")}
+    return found
+
+
+def _layer(module: str) -> str:
+    """'minillm.cache.paged' -> 'cache'; 'minillm.cli' -> 'cli'; 'minillm' -> '__init__'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {m: {i for i in _imports(p) if i != m} for m, p in MODULES.items()}
+
+
+def test_every_folder_has_a_layer() -> None:
+    layers = {_layer(m) for m in MODULES}
+    assert layers <= RANK.keys(), f"add {sorted(layers - RANK.keys())} to LAYERS"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module: str) -> None:
+    own = _layer(module)
+    up = [
+        i
+        for i in GRAPH[module]
+        if _layer(i) != own
+        and RANK.get(_layer(i), len(LAYERS)) >= RANK[own]
+        and not (own in {"__init__", "__main__", "cli", "doctor"} and _layer(i) in RANK)
+    ]
+    assert not up, f"{module} (layer {own!r}) imports from the same or a higher layer: {up}"
+
+
+def test_leaves_import_nothing_of_minillm() -> None:
+    for module in MODULES:
+        if _layer(module) in LAYERS[0]:
+            outside = [i for i in GRAPH[module] if _layer(i) != _layer(module)]
+            assert not outside, f"{module} is a leaf but imports {outside}"
+
+
+def test_no_import_cycles() -> None:
+    """Depth-first search over module -> imported module; a back edge is a cycle."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(GRAPH.get(node, ())):
+            if nxt not in MODULES:
+                continue
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for module in sorted(MODULES):
+        if module not in state:
+            visit(module, [module])
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_fit_one_reading(module: str) -> None:
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by job"
