@@ -1,44 +1,121 @@
-"""`python -m minillm generate | serve | bench | doctor`: the course's command line."""
+"""`python -m minillm generate | chat | serve | bench | doctor`: the course's command line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from minillm import SamplingParams, Tokenizer, Transformer
 
-def _generate(args: argparse.Namespace) -> None:
-    from minillm import SamplingParams, generate_naive, load_model, load_tokenizer
+
+def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
+    from minillm import load_model, load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, device=device)
-    tokenizer = load_tokenizer(args.model)
-    params = SamplingParams(
+    return load_model(args.model, device=device), load_tokenizer(args.model)
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    from minillm import SamplingParams
+
+    return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
         seed=args.seed,
-        ignore_eos=args.ignore_eos,
+        ignore_eos=getattr(args, "ignore_eos", False),
     )
-    prompt_ids = tokenizer.encode(args.prompt)
-    out: list[int] = []
-    printed = ""
 
-    def stream(token: int) -> None:  # decode the whole tail so multi-byte characters print whole
-        nonlocal printed
-        out.append(token)
-        text = tokenizer.decode(out)
+
+class _Printer:
+    """Prints a reply while its tokens arrive (the `on_token` of `minillm.generate`).
+
+    It decodes the whole reply so far and prints the new tail: one character can span
+    several byte-level tokens, and a tail that ends in U+FFFD is half a character, which
+    waits for the next token."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+
+    def __call__(self, _row: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
         if not text.endswith("\ufffd"):
-            print(text[len(printed) :], end="", flush=True)
-            printed = text
+            print(text[len(self.printed) :], end="", flush=True)
+            self.printed = text
 
-    print(args.prompt, end="", flush=True)
-    generate_naive(model, prompt_ids, params, on_token=stream)
-    print(tokenizer.decode(out)[len(printed) :])
+    def finish(self, end: str = "\n") -> str:
+        """Print what is left and `end`; return the whole reply's text."""
+        text = self.tokenizer.decode(self.tokens)
+        print(text[len(self.printed) :], end=end, flush=True)
+        return text
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from minillm import generate
+
+    model, tokenizer = _load(args)
+    if args.chat:  # the prompt is one user message, in the model's own chat template
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+        print(args.prompt, end="", flush=True)
+    printer = _Printer(tokenizer)
+    out = generate(model, [prompt_ids], _params(args), on_token=printer)[0]
+    printer.finish()
     if args.print_token_ids:
         print(out)
+
+
+def _chat(args: argparse.Namespace) -> None:
+    """An interactive conversation: each turn renders the whole history with the model's
+    template and generates the reply (a new prefill per turn: simple, and cheap next to
+    decoding at this size)."""
+    from minillm import generate
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:  # Windows
+        pass
+    model, tokenizer = _load(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    tokenizer.render_chat(start + [{"role": "user", "content": ""}])  # no template: fail now
+    params, history = _params(args), list(start)
+    print("/reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print("\n(/exit or Ctrl-D quits)")
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = list(start)
+            print("(conversation cleared)")
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        printer = _Printer(tokenizer)
+        try:
+            generate(model, [tokenizer.apply_chat_template(history)], params, on_token=printer)
+            end = "\n"
+        except KeyboardInterrupt:
+            end = " [stopped]\n"
+        except ValueError as err:  # past the context window
+            history.pop()
+            print(f"error: {err}. /reset starts a new conversation")
+            continue
+        history.append({"role": "assistant", "content": printer.finish(end)})
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -68,27 +145,49 @@ def _doctor(_args: argparse.Namespace) -> None:
     sys.exit(doctor_main())
 
 
+MODEL_HELP = "checkpoint directory, .gguf file, hub id, or a name: smollm2"
+
+
+def _sampling_arguments(
+    parser: argparse.ArgumentParser, max_tokens: int, temperature: float, top_p: float
+) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=top_p)
+    parser.add_argument("--top-k", type=int, default=0, help="0 or -1 disables")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: cuda if present)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text (bundled model by default, offline)")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="checkpoint directory or hub id")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=0, help="0 or -1 disables")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message: apply "
+        "the model's chat template and print only the reply",
+    )
+    _sampling_arguments(gen, max_tokens=64, temperature=0.8, top_p=0.95)
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    gen.add_argument("--device", default=None, help="cpu, cuda, mps (default: cuda if present)")
     gen.add_argument(
         "--print-token-ids", action="store_true", help="print the generated ids as a last line"
     )
     gen.set_defaults(func=_generate)
 
+    chat = sub.add_parser("chat", help="talk to a chat model (default: smollm2, offline)")
+    chat.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    # SmolLM2's model card samples at temperature 0.2, top_p 0.9.
+    _sampling_arguments(chat, max_tokens=256, temperature=0.2, top_p=0.9)
+    chat.set_defaults(func=_chat)
+
     srv = sub.add_parser("serve", help="OpenAI-compatible server (bundled model by default)")
-    srv.add_argument("--model", default=None, help="checkpoint directory or hub id")
+    srv.add_argument("--model", default=None, help=MODEL_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the name clients send")

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate, load_tokenizer
-from minillm.export.gguf import export_gguf, gguf_name, rope_to_interleaved
+from minillm.export.gguf import export_gguf
 from minillm.model import BUNDLED_DIR
+from minillm.model.gguf_layout import gguf_name, rope_to_interleaved
 from minillm.model.weights import load_state_dict
 
 gguf = pytest.importorskip("gguf")

@@ -19,44 +19,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from minillm.model.gguf_layout import gguf_name, rope_to_interleaved
 from minillm.model.weights import load_config, load_state_dict, resolve_model_dir
-
-# HF tensor name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.")
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    """The llama.cpp tensor name of an HF Llama tensor name."""
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
-    parts = hf_name.split(".", 3)  # model, layers, i, rest
-    if parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
-    raise ValueError(f"no GGUF name for tensor {hf_name!r}: only plain Llama checkpoints export")
-
-
-def rope_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k projection rows from HF's rotate-half RoPE layout (pairs (j, j + d/2))
-    to llama.cpp's adjacent pairs (2j, 2j + 1): the same attention scores, other row order."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def tokenizer_fields(model_dir: Path) -> dict:

@@ -77,6 +77,7 @@ def decode(
     positions: torch.Tensor,
     params: SamplingParams,
     step: Callable[[Transformer, KVCache, torch.Tensor, torch.Tensor], torch.Tensor],
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
     """`sample_loop` over a model step(model, cache, tokens [B, 1], positions [B, 1])."""
     generators = [make_generator(params.seed, positions.device) for _ in range(len(positions))]
@@ -87,14 +88,19 @@ def decode(
         positions = positions + 1  # a new tensor: a compiled step may hold the old one
         return logits
 
-    return sample_loop(logits, params, next_logits, stop_ids(model, params), generators)
+    stops = stop_ids(model, params)
+    return sample_loop(logits, params, next_logits, stops, generators, on_token)
 
 
 @torch.inference_mode()
 def generate(
-    model: Transformer, prompts: list[list[int]], params: SamplingParams
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
     """Generated ids for each prompt (prompts may differ in length), with a KV cache:
-    one prefill forward for all prompts, then one decode forward per new token."""
+    one prefill forward for all prompts, then one decode forward per new token.
+    `on_token(row, token)` is called with each token as it is produced (streaming)."""
     cache, logits, positions = prefill(model, prompts, params.max_tokens)
-    return decode(model, cache, logits, positions, params, eager_decode_step)
+    return decode(model, cache, logits, positions, params, eager_decode_step, on_token)

@@ -50,11 +50,13 @@ def sample_loop(
     step: Callable[[torch.Tensor], torch.Tensor],
     stops: set[int],
     generators: list[torch.Generator],
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
     """Sample a token per row from `logits` [B, vocab], give the tokens [B] to `step` for the
     next logits, repeat: each row stops at a stop token or after max_tokens (finished rows
     ride along, their tokens unused). Every generation loop of the course (cached, compiled,
-    paged, ONNX Runtime) is this loop with its own `step`."""
+    paged, ONNX Runtime) is this loop with its own `step`. `on_token(row, token)` sees each
+    kept token as soon as it is sampled: streaming."""
     out, done = [[] for _ in generators], [False] * len(generators)
     for i in range(params.max_tokens):
         tokens = _sample_rows(logits, params, generators)
@@ -62,6 +64,8 @@ def sample_loop(
             if not done[b]:
                 out[b].append(token)
                 done[b] = token in stops
+                if on_token is not None:
+                    on_token(b, token)
         if all(done) or i == params.max_tokens - 1:
             break
         logits = step(tokens)

@@ -1,7 +1,8 @@
 """Load and save Hugging Face-format checkpoints: config.json + safetensors (sharded too).
 
 The bundled model lives in `minillm/bundled/`; it is the default everywhere so
-that every notebook and test runs offline.
+that every notebook and test runs offline. Real models by name ("smollm2") and GGUF files
+resolve to a directory of the same format in the user cache (`minillm.model.named`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from minillm.model.checkpoint import write_checkpoint
 from minillm.model.config import ModelConfig
+from minillm.model.gguf import cached_hf_dir
+from minillm.model.named import MODELS, named_model_dir
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.transformer import Transformer, rope_inv_freq
 
@@ -23,16 +27,25 @@ _HUB_FILES = ["*.json", "*.safetensors"]
 
 
 def resolve_model_dir(path_or_id: str | Path | None = None) -> Path:
-    """A local checkpoint directory: the bundled model for None, a local path, or a hub
-    id downloaded (config, tokenizer and safetensors only) when the hub is reachable."""
+    """A local checkpoint directory: the bundled model for None; a model name from
+    `minillm.model.named.MODELS` ("smollm2"; write ./smollm2 for a folder of that name); a
+    GGUF file, converted once into the user cache; a local directory; or a hub id downloaded
+    (config, tokenizer and safetensors only) when the hub is reachable."""
     if path_or_id is None:
         return BUNDLED_DIR
+    if isinstance(path_or_id, str) and path_or_id in MODELS:
+        return named_model_dir(path_or_id)
     path = Path(path_or_id).expanduser()
+    if path.suffix == ".gguf":
+        return cached_hf_dir(path)
     if path.is_dir():
         return path
     looks_like_id = str(path_or_id).count("/") == 1 and not str(path_or_id).startswith((".", "/"))
     if not looks_like_id:
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise FileNotFoundError(
+            f"model directory {path} does not exist (a model is a directory, a .gguf file, "
+            f"a hub id, or a name: {', '.join(MODELS)})"
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -40,7 +53,8 @@ def resolve_model_dir(path_or_id: str | Path | None = None) -> Path:
     except Exception as err:  # offline, gated, or a typo: say which fix applies
         raise FileNotFoundError(
             f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(err).__name__}: "
-            f"{err}). Offline? Use a local directory, or None for the bundled model."
+            f"{err}). Offline? Use a local directory, a model name ({', '.join(MODELS)}), or "
+            "None for the bundled model."
         ) from err
 
 
@@ -128,32 +142,9 @@ def load_tokenizer(path_or_id: str | Path | None = None) -> Tokenizer:
 def save_model(model: Transformer, out_dir: str | Path, max_shard_bytes: int | None = None) -> Path:
     """Write config.json, generation_config.json and safetensors (sharded past
     `max_shard_bytes`) that both minillm and transformers load."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     cfg.torch_dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
-    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = dict(model.state_dict())
     if cfg.tie_word_embeddings:
-        del state["lm_head.weight"]  # safetensors refuses shared storage; HF omits it too
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    for name, tensor in state.items():
-        size = sum(t.nbytes for t in shards[-1].values())
-        if max_shard_bytes and shards[-1] and size + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-        shards[-1][name] = tensor
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], out_dir / "model.safetensors", metadata=meta)
-        return out_dir
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out_dir / fname, metadata=meta)
-        weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}}
-    index["weight_map"] = weight_map
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out_dir
+        del state["lm_head.weight"]
+    return write_checkpoint(cfg, state, out_dir, max_shard_bytes)
