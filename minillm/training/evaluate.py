@@ -25,6 +25,15 @@ def held_out_ids(tokenizer: Tokenizer) -> torch.Tensor:
     return encode_corpus(tokenizer.tok, held_out)
 
 
+def factbook_ids(tokenizer: Tokenizer) -> torch.Tensor:
+    """Modern English prose as token ids, for any model's tokenizer: the CIA World Factbook's
+    country backgrounds (public domain; `minillm.training.english`), one blank line apart."""
+    from minillm.training.data import encode_corpus
+    from minillm.training.english import load_factbook
+
+    return encode_corpus(tokenizer.tok, "\n\n".join(load_factbook()) + "\n")
+
+
 def _windows(ids: torch.Tensor, window: int, max_windows: int | None) -> tuple[torch.Tensor, ...]:
     n = (len(ids) - 1) // window
     if n <= 0:
