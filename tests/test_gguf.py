@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from helpers import SMOLLM2_TEXTS, SPACE_BEFORE_DIGIT
 
 from minillm import BUNDLED_DIR, load_model, load_tokenizer
-from minillm.export.gguf import export_gguf
+from minillm.export.gguf import export_gguf, tokenizer_fields
 from minillm.model.gguf import cached_hf_dir, config_from_metadata
 from minillm.model.gguf_layout import gguf_name, hf_name, rope_from_interleaved, rope_to_interleaved
 from minillm.model.gguf_quants import dequantize
 from minillm.model.gguf_tokenizer import build_tokenizer
 from minillm.model.named import MODELS, PackagedModel
-from minillm.model.weights import load_state_dict
+from minillm.model.weights import load_state_dict, resolve_model_dir
 
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
@@ -132,3 +133,21 @@ def test_unsupported_files_fail_with_the_fix():
         build_tokenizer(meta)
     with pytest.raises(ValueError, match="byte-level BPE"):
         build_tokenizer({"tokenizer.ggml.model": "llama"})
+
+
+def test_exporter_describes_smollm2s_tokenizer_as_the_reader_rebuilds_it():
+    # The exporter's tokenizer metadata, fed to the reader, gives the same ids: "smollm"
+    # (digits split off first) survives the round trip, as does the chat template.
+    model_dir = resolve_model_dir("smollm2")
+    fields = tokenizer_fields(model_dir)
+    assert fields["pre"] == "smollm" and "<|im_start|>" in fields["chat_template"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": fields["pre"],
+        "tokenizer.ggml.tokens": fields["tokens"],
+        "tokenizer.ggml.token_type": [int(t) for t in fields["types"]],
+        "tokenizer.ggml.merges": fields["merges"],
+    }
+    rebuilt, ours = build_tokenizer(meta), load_tokenizer("smollm2")
+    for text in SMOLLM2_TEXTS + SPACE_BEFORE_DIGIT:
+        assert rebuilt.encode(text).ids == ours.encode(text)

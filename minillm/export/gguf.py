@@ -5,7 +5,8 @@ the tokenizer) + named tensors. llama.cpp's own `convert_hf_to_gguf.py` does thi
 hundreds of architectures but lives only in a llama.cpp checkout, and it refuses the
 bundled tokenizer: it recognises a byte-level BPE pre-tokenizer by the hash of its output
 on a test string, and ours (trained for the course) is in no table. The pre-tokenizer IS
-GPT-2's (tokenizer.json: ByteLevel, use_regex=True), so we name it "gpt-2" ourselves and
+GPT-2's (tokenizer.json: ByteLevel, use_regex=True), so we name it "gpt-2" ourselves ("smollm"
+for SmolLM2's digits-first variant, so that `smollm2`, read from its GGUF, exports back) and
 write the file with the `gguf` package only. The result matches the converter's output
 tensor for tensor when the converter is told the same name.
 
@@ -24,13 +25,29 @@ from minillm.model.gguf_layout import gguf_name, rope_to_interleaved
 from minillm.model.weights import load_config, load_state_dict, resolve_model_dir
 
 
+def pre_tokenizer_name(pre: dict) -> str | None:
+    """llama.cpp's name for a tokenizer.json pre-tokenizer this exporter can describe:
+    GPT-2's byte-level regex ("gpt-2"), or digits split off first, then it ("smollm", as
+    SmolLM2's tokenizer does). None for anything else."""
+    byte_level = lambda p: p.get("type") == "ByteLevel" and p.get("use_regex")  # noqa: E731
+    if byte_level(pre):
+        return "gpt-2"
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    digits = {"type": "Digits", "individual_digits": True}
+    if len(parts) == 2 and parts[0] == digits and byte_level(parts[1]):
+        return "smollm"
+    return None
+
+
 def tokenizer_fields(model_dir: Path) -> dict:
-    """tokens, token types, merges and special ids of a byte-level BPE tokenizer.json."""
+    """tokens, token types, merges, special ids, pre-tokenizer name and chat template of a
+    byte-level BPE tokenizer.json (+ tokenizer_config.json)."""
     import gguf
 
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     pre = tok.get("pre_tokenizer") or {}
-    if tok["model"]["type"] != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex"):
+    pre_name = pre_tokenizer_name(pre)
+    if tok["model"]["type"] != "BPE" or pre_name is None:
         raise ValueError(
             f"{model_dir}/tokenizer.json is not a GPT-2-style byte-level BPE (model "
             f"{tok['model']['type']}, pre-tokenizer {pre.get('type')}): convert this checkpoint "
@@ -54,6 +71,8 @@ def tokenizer_fields(model_dir: Path) -> dict:
         "merges": merges,
         "ids": ids,
         "add_bos": bool(cfg.get("add_bos_token", False)),
+        "pre": pre_name,
+        "chat_template": cfg.get("chat_template"),
     }
 
 
@@ -91,7 +110,7 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")  # the GPT-2 split regex: what ByteLevel(use_regex) runs
+    w.add_tokenizer_pre(tok["pre"])  # llama.cpp's name for the split rule (see above)
     w.add_token_list(tok["tokens"])
     w.add_token_types(tok["types"])
     w.add_token_merges(tok["merges"])
@@ -103,6 +122,8 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
             add(tok["ids"][kind])
     w.add_add_bos_token(tok["add_bos"])
     w.add_add_eos_token(False)
+    if isinstance(tok["chat_template"], str):
+        w.add_chat_template(tok["chat_template"])
 
     state = load_state_dict(model_dir)
     if cfg.tie_word_embeddings:  # llama.cpp reuses token_embd when output.weight is absent
