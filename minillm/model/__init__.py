@@ -1,5 +1,7 @@
 """The model: a Llama-style decoder in pure PyTorch (chapter 01), its config, checkpoint
-loading and saving, the tokenizer, and real models' shapes for random-weight work."""
+loading and saving (HF directories; GGUF files and named models such as "smollm2", converted
+once into the user cache), the tokenizer with its chat template, and real models' shapes for
+random-weight work."""
 
 from minillm.model.config import ModelConfig
 from minillm.model.shapes import CONFIGS, random_model
