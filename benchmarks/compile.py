@@ -79,6 +79,38 @@ def bench_batch(model, batch: int, tokens: int, repeats: int) -> dict[str, float
     }
 
 
+def step_modes(
+    model, prompts: list[list[int]], tokens: int, modes: dict[str, dict], repeats: int = 30
+) -> dict[str, dict[str, float]]:
+    """The fixed-shape decode step compiled with each of `modes` (name -> compile_decode_step
+    keyword arguments, e.g. {"reduce-overhead": {"mode": "reduce-overhead"}}) against
+    eager: per mode, compile + warm-up seconds and eager step time / compiled step time
+    (A/B interleaved). On a GPU, "reduce-overhead" is inductor + CUDA graphs (notebook 05's
+    GPU cell and `make gpu-check` call this)."""
+    out = {}
+    with torch.inference_mode():
+        cache, logits, pos = prefill(model, prompts, tokens)
+        cache.kv_len = cache.max_len  # the static step's fixed shapes
+        args = (model, cache, logits.argmax(-1)[:, None], pos[:, None])
+        for name, kwargs in modes.items():
+            torch._dynamo.reset()
+            step = compile_decode_step(**kwargs)
+            t0 = time.perf_counter()
+            for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
+                step(*args)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            warm_s = time.perf_counter() - t0
+            ratios = time_ratios(
+                {"eager": lambda: decode_step(*args), name: lambda s=step: s(*args)},
+                baseline=name,
+                repeats=repeats,
+                warmup=2,
+            )
+            out[name] = {"compile_s": warm_s, "eager_vs_compiled": ratios["eager"]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)

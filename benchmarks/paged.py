@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from minillm.cache import BlockManager, OutOfBlocks
 
@@ -293,61 +292,6 @@ def print_sharing(sys_rows: list[dict[str, Any]], par_rows: list[dict[str, Any]]
 # ------------------------------------------------------------------ (c) GPU kernels
 
 
-def gpu_kernels() -> dict[str, Any] | None:
-    """Achieved bandwidth of the Triton kernels vs SDPA on a CUDA device; None on CPU."""
-    if not torch.cuda.is_available():
-        print(
-            "\n(c) GPU kernels: skipped, no CUDA device here (torch.cuda.is_available() is "
-            "False). On a GPU this times the Triton paged decode kernel and flash prefill "
-            "against torch SDPA and reports GB/s; the kernels' correctness is tested on CPU "
-            "under TRITON_INTERPRET=1 (tests/test_paged_kernels.py)."
-        )
-        return None
-    import torch.nn.functional as F
-    from triton.testing import do_bench
-
-    from minillm.kernels.flash_prefill import flash_prefill
-    from minillm.kernels.paged_attention import paged_attention
-
-    dev, dt = "cuda", torch.float16
-    B, H, KV, D, ctx, bs = 64, 32, 8, 128, 2048, 16  # Llama-3-8B attention shapes
-    width = ctx // bs
-    k_pool = torch.randn(B * width, bs, KV, D, device=dev, dtype=dt)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(B * width, device=dev).view(B, width).int()
-    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    q = torch.randn(B, H, D, device=dev, dtype=dt)
-    k = torch.randn(B, KV, ctx, D, device=dev, dtype=dt)
-    v = torch.randn_like(k)
-    kv_bytes = 2 * B * ctx * KV * D * 2
-    t_paged = do_bench(lambda: paged_attention(q, k_pool, v_pool, tables, lens))
-    t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
-    T = 2048
-    qp = torch.randn(4, H, T, D, device=dev, dtype=dt)
-    kp, vp = (
-        torch.randn(4, KV, T, D, device=dev, dtype=dt),
-        torch.randn(4, KV, T, D, device=dev, dtype=dt),
-    )
-    t_flash = do_bench(lambda: flash_prefill(qp, kp, vp, block_m=64, block_n=64))
-    t_sdpa_p = do_bench(
-        lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-    )
-    out = {
-        "device": torch.cuda.get_device_name(),
-        "decode_paged_GBps": kv_bytes / t_paged / 1e6,
-        "decode_sdpa_dense_GBps": kv_bytes / t_sdpa / 1e6,
-        "prefill_flash_ms": t_flash,
-        "prefill_sdpa_ms": t_sdpa_p,
-    }
-    print(f"\n(c) GPU kernels on {out['device']} (fp16, B={B}, heads {H}/{KV}, d {D}, ctx {ctx})")
-    print(
-        f"decode: Triton paged {out['decode_paged_GBps']:.0f} GB/s, SDPA on dense K/V "
-        f"{out['decode_sdpa_dense_GBps']:.0f} GB/s; prefill T={T}: Triton flash "
-        f"{t_flash:.3f} ms, SDPA {t_sdpa_p:.3f} ms ({t_flash / t_sdpa_p:.2f}x)"
-    )
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a shorter trace (about 15 s)")
@@ -362,13 +306,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sys_rows = [shared_system_prompt(trace[:64], s) for s in (128, 512, 1024)]
     par_rows = [parallel_sampling(trace[:100], k) for k in (2, 4, 6)]
     print_sharing(sys_rows, par_rows)
-    gpu = gpu_kernels()
     results = {
         "trace": {"requests": n, "seed": SEED, "budget": BUDGET, "max_len": MAX_LEN},
         "fragmentation": frag,
         "system_prompt": sys_rows,
         "parallel_sampling": par_rows,
-        "gpu": gpu,
         "seconds": time.perf_counter() - t0,
     }
     if args.json:

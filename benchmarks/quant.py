@@ -361,49 +361,6 @@ def print_realistic(rows: list[dict[str, Any]]) -> None:
 
 # ------------------------------------------------------------------------- (c) GPU kernel
 
-GPU_SHAPES = [(1, 4096, 4096), (1, 11008, 4096), (4, 4096, 4096), (16, 4096, 4096)]
-
-
-def gpu_kernel_benchmark(
-    shapes: list[tuple[int, int, int]] = GPU_SHAPES, group: int = 128
-) -> list[dict[str, Any]]:
-    """On a CUDA GPU: time of y = x @ W^T for x [M, K] fp16 and W [N, K] as fp16 (cuBLAS),
-    as our fused INT4 kernel, as PyTorch dequantize-then-matmul, and as bitsandbytes'
-    NF4 `matmul_4bit`; ratios to fp16 (triton.testing.do_bench medians)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("gpu_kernel_benchmark needs a CUDA GPU")
-    import triton
-
-    from minillm.kernels.int4_matmul import int4_matmul, int4_matmul_reference
-    from minillm.quant import quantize_int4
-
-    with quiet():
-        import bitsandbytes as bnb
-        import bitsandbytes.functional as bnb_f
-    rows = []
-    for m, n, k in shapes:
-        g = torch.Generator(device="cuda").manual_seed(SEED)
-        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
-        qw = quantize_int4(w, group)
-        q4, state = bnb_f.quantize_4bit(w, quant_type="nf4", blocksize=64)
-        fns = {
-            "fp16 cuBLAS": lambda w=w, x=x: x @ w.T,
-            "int4 fused (ours)": lambda qw=qw, x=x: int4_matmul(x, qw),
-            "int4 dequant+matmul": lambda qw=qw, x=x: int4_matmul_reference(x, qw),
-            "bnb nf4 matmul_4bit": lambda q4=q4, st=state, x=x: bnb.matmul_4bit(x, q4.t(), st),
-        }
-        times = {}
-        for name, fn in fns.items():
-            try:
-                times[name] = triton.testing.do_bench(fn)
-            except Exception as err:  # report, do not hide, a library that fails here
-                times[name] = float("nan")
-                print(f"{name} at M={m}, N={n}, K={k}: {type(err).__name__}: {err}")
-        base = times["fp16 cuBLAS"]
-        rows.append({"shape": (m, n, k)} | {name: t / base for name, t in times.items()})
-    return rows
-
 
 # ------------------------------------------------------------------------------------ main
 
@@ -459,13 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     big_schemes += ["nf4-g64-dq", "torch.ao-int8", "bnb-int8", "bnb-nf4-g64"]
     big = realistic_table(big_schemes, SPEED_BIG, max(3, repeats // 3))
     print_realistic(big)
-    if torch.cuda.is_available():
-        print("\n(c) GPU: y = x @ W^T time / fp16 cuBLAS (M rows, N x K weight)")
-        for r in gpu_kernel_benchmark():
-            print(r["shape"], ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "shape"))
-    else:
-        print("\n(c) GPU kernel benchmark skipped: no CUDA device (the kernel is tested on CPU")
-        print("    under TRITON_INTERPRET=1, which checks results, not speed)")
+    print("\n(c) the fused INT4 kernel on a GPU: python -m benchmarks.kernels (and make gpu-check)")
     if args.json:
         args.json.write_text(json.dumps({"quality": quality, "realistic": big}, indent=2))
     print(summary(quality, big))

@@ -49,6 +49,7 @@ from minillm.bench.openai_http import run_async
 from minillm.engine import Engine, RequestOutput, SamplingParams
 from minillm.lab import paired_ratios, time_samples
 from minillm.model import BUNDLED_DIR
+from minillm.training import first_divergence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +69,46 @@ def run_engine(model, tokenizer, work, batch: int = 32, static: bool = False, tr
     for prompt, n in work:
         engine.add_request(prompt, greedy(n))
     return engine.run_to_completion(), engine
+
+
+def vllm_compare(
+    work: list[tuple[list[int], int]] | None = None, model_dir: str | None = None
+) -> dict[str, Any]:
+    """vLLM and minillm's engine on the same GPU, the same checkpoint and prompts, both in
+    bf16: output tok/s of each and how far their greedy tokens agree.
+
+    Exact equality across bf16 kernels is not guaranteed: vLLM's attention and GEMMs add in
+    another order than minillm's, bf16 keeps 8 bits of mantissa, so two logits within a
+    rounding step can swap places and greedy decoding diverges from there on. So the check is
+    agreement of the first k tokens of each request (k = where they first differ)."""
+    import vllm
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("vllm_compare needs a CUDA GPU")
+    model_dir = str(model_dir or BUNDLED_DIR)
+    tokenizer = load_tokenizer(model_dir)
+    work = work or [(ids, 64) for ids, _ in make_workload(tokenizer, 64, SEED)]
+    llm = vllm.LLM(model=model_dir, dtype="bfloat16")
+    params = [vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    start = time.perf_counter()
+    theirs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params)
+    vllm_s = time.perf_counter() - start
+    model = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
+    start = time.perf_counter()
+    ours, _ = run_engine(model, tokenizer, work, batch=64)
+    ours_s = time.perf_counter() - start
+    tokens = sum(n for _, n in work)
+    first_diff = [
+        first_divergence(a.outputs[0].token_ids, list(b.outputs[0].token_ids))
+        for a, b in zip(ours, theirs, strict=True)
+    ]
+    return {
+        "vllm_tok_s": tokens / vllm_s,
+        "minillm_tok_s": tokens / ours_s,
+        "identical_requests": sum(d == n for d, (_, n) in zip(first_diff, work, strict=True))
+        / len(work),
+        "mean_first_divergence": sum(first_diff) / len(first_diff),
+    }
 
 
 def slot_utilisation(engine: Engine, batch: int) -> float:

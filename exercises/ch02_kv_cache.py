@@ -10,16 +10,20 @@ and read by every later step. Here you size such a cache, bound it, and split it
     fork_cache          copy and reorder a cache's rows, for n samples of one
                         prompt and for beam search
 
-`minillm.model.transformer.Transformer` accepts any object as its `cache=` that has the two
-methods `KVCache` has (it never looks inside):
+`minillm.model.Transformer` accepts any object as its `cache=` with one method, the
+cache protocol (`minillm.cache.protocol.Cache`; the model never looks inside):
 
-    causal_mask(positions [B, T]) -> bool [B, 1, T, S]      (True = attend), called once
-                                                             per forward, before any layer
-    update(layer, k, v, positions) -> (k_all, v_all)        called by each layer in order
-                                                             0, 1, ...; k, v [B, kv_heads,
-                                                             T, head_dim] are this step's;
-                                                             k_all, v_all [B, kv_heads, S,
-                                                             head_dim] are what it attends to
+    attention(layer, q, k, v, positions) -> out     called by each layer in order 0, 1, ...;
+                                                    k, v [B, kv_heads, T, head_dim] are this
+                                                    step's, to store; out [B, heads, T,
+                                                    head_dim] is q attending over the cache
+
+`KVCache` writes it as two methods, and so does `SlidingWindowCache` (its `attention` is
+written for you):
+
+    causal_mask(positions [B, T]) -> bool [B, 1, T, S]   (True = attend), before the write
+    update(layer, k, v, positions) -> (k_all, v_all)     k_all, v_all [B, kv_heads, S,
+                                                         head_dim] are what q attends to
 
 so `SlidingWindowCache` plugs into the model unchanged. Replace each
 `raise NotImplementedError(...)` with your code, in plain torch. Grade them with
@@ -35,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def kv_cache_bytes(config: dict[str, Any], tokens: int, batch: int, dtype: torch.dtype) -> int:
@@ -94,11 +99,11 @@ class SlidingWindowCache:
     attention does not care about order: RoPE already rotated each key by its own
     position, and the mask says which slots a query may see.
 
-    The interface is `KVCache`'s (see the module docstring): the model calls
-    `causal_mask(positions)` once per forward, then `update(layer, ...)` for each
-    layer. `positions` [B, T] hold, per row, the next T positions of that
-    sequence, consecutive and continuing where the last call stopped (a prompt
-    from 0, a decode step with T = 1, or a chunk of any length in between).
+    The model calls `attention(layer, q, k, v, positions)` in each layer (written
+    below: it builds `causal_mask(positions)`, then calls `update(layer, ...)`).
+    `positions` [B, T] hold, per row, the next T positions of that sequence,
+    consecutive and continuing where the last call stopped (a prompt from 0, a
+    decode step with T = 1, or a chunk of any length in between).
     Every row's tokens are real: no right padding.
 
     A step with T > 1 tokens (a prompt, a chunk) must work for any T, also
@@ -110,8 +115,8 @@ class SlidingWindowCache:
     the step's last `window` tokens into the ring; `causal_mask` returns the
     matching [B, 1, T, window + T] mask. To know which position each slot holds,
     keep a small [batch, window] tensor of positions (-1 for an empty slot) and
-    update it once per step (in the last layer's `update`: the mask of this step
-    was built before any layer ran). Any other correct scheme passes the tests.
+    update it once per step (in the last layer's `update`: that layer's mask was
+    built just before it). Any other correct scheme passes the tests.
 
     Attributes/properties the tests use:
         nbytes: bytes of the K and V storage, 2 * num_layers * batch * kv_heads *
@@ -147,6 +152,16 @@ class SlidingWindowCache:
     def nbytes(self) -> int:
         """Bytes of the K and V buffers (`tensor.nbytes` of each, added)."""
         raise NotImplementedError("ch02: implement SlidingWindowCache.nbytes")
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The cache protocol the model calls in every layer (`minillm.cache.protocol.Cache`),
+        written for you: the mask first (it describes the ring as it was before this step),
+        then the update, then attention over the S keys it returned."""
+        mask = self.causal_mask(positions)
+        k_all, v_all = self.update(layer, k, v, positions)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
 
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """The attention mask of this step, bool [B, 1, T, S] (True = attend).

@@ -1,8 +1,8 @@
 """Chapter 02 reference answers: same API and docstrings' contract as
 `exercises/ch02_kv_cache.py`, written in plain torch (read the docstrings there).
 
-The tests compare these with `minillm.model.transformer.Transformer` run without a cache (and with
-an explicit mask), and with `minillm.cache.contiguous.KVCache`, so nothing here imports minillm.
+The tests compare these with `minillm.model.Transformer` run without a cache (and with an
+explicit mask), and with `minillm.cache.contiguous.KVCache`, so nothing here imports minillm.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def kv_cache_bytes(config: dict[str, Any], tokens: int, batch: int, dtype: torch.dtype) -> int:
@@ -49,6 +50,16 @@ class SlidingWindowCache:
     def nbytes(self) -> int:
         """Bytes of K and V: 2 x layers x batch x kv_heads x window x head_dim x dtype size."""
         return self.k.nbytes + self.v.nbytes
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The cache protocol the model calls in every layer (`minillm.cache.protocol.Cache`),
+        written for you: the mask first (it describes the ring as it was before this step),
+        then the update, then attention over the S keys it returned."""
+        mask = self.causal_mask(positions)
+        k_all, v_all = self.update(layer, k, v, positions)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
 
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, T, window + T]: keys are the ring as it was, then this step's tokens."""

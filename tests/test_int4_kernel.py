@@ -1,5 +1,5 @@
 """The fused INT4 dequantize-and-matmul Triton kernel against the PyTorch dequantize-then-
-matmul path. Runs on a GPU, or on the CPU under TRITON_INTERPRET=1 (small shapes, fp32)."""
+matmul path. Runs on a GPU, or on the CPU in Triton's interpreter (small shapes, fp32)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,27 @@ def case(m: int, n: int, k: int, group: int, symmetric: bool, seed: int = 0):
         (17, 40, 128, 64, False),  # more rows than one 16-row tile
     ],
 )
-def test_int4_kernel_matches_dequantize_then_matmul(m, n, k, group, symmetric):
+@pytest.mark.parametrize(
+    "launch", [{}, {"block_n": 64, "block_k": 32, "num_warps": 2}, {"block_m": 32}]
+)
+def test_int4_kernel_matches_dequantize_then_matmul(m, n, k, group, symmetric, launch):
+    """The default launch (`int4_config`) and explicit ones compute the same product."""
     from minillm.kernels.int4_matmul import int4_matmul, int4_matmul_reference
 
     x, qw = case(m, n, k, group, symmetric)
-    got, ref = int4_matmul(x, qw), int4_matmul_reference(x, qw)
+    got, ref = int4_matmul(x, qw, **launch), int4_matmul_reference(x, qw)
     assert got.shape == (m, n) and got.dtype == x.dtype
     tol = 1e-4 if how == "interpreter" else 2e-2  # the GPU's fp32 dot rounds through tf32
     assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.skipif(how != "interpreter", reason="on a GPU bf16 is supported")
+def test_int4_kernel_refuses_bf16_in_the_interpreter():
+    from minillm.kernels.int4_matmul import int4_matmul
+
+    x, qw = case(1, 16, 64, 32, False)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        int4_matmul(x.bfloat16(), qw)
 
 
 def test_int4_kernel_rejects_bad_shapes_with_the_fix():

@@ -1,6 +1,6 @@
 """Triton paged decode and flash prefill against dense attention (torch SDPA), fp32.
 
-Run on CPU with TRITON_INTERPRET=1 (the Makefile's test target sets it); skipped with the
+On a CPU they run in Triton's interpreter (minillm.kernels turns it on); skipped with the
 reason when Triton can run neither on a GPU nor in the interpreter. Shapes stay small:
 the interpreter executes every program instance in Python.
 """
@@ -60,7 +60,10 @@ def dense_decode(q, k, v, lens):
         ([3, 40], 2, 2, 24, 32),  # multi-head, head_dim not a power of two
     ],
 )
-def test_paged_decode_matches_sdpa(lens, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("num_splits", [1, 2, 3, None])  # None: choose_splits decides
+def test_paged_decode_matches_sdpa(lens, heads, kv_heads, head_dim, block_size, num_splits):
+    """With and without split-K: 3 splits of a short row leave whole splits empty (past the
+    row's blocks), which the merge must weigh as nothing."""
     from minillm.kernels.paged_attention import paged_attention, paged_attention_ref
 
     q, k_pool, v_pool, tables, lens_t, k, v = paged_case(
@@ -70,9 +73,17 @@ def test_paged_decode_matches_sdpa(lens, heads, kv_heads, head_dim, block_size):
     torch.testing.assert_close(
         paged_attention_ref(q, k_pool, v_pool, tables, lens_t), expected, atol=ATOL, rtol=0
     )
-    torch.testing.assert_close(
-        paged_attention(q, k_pool, v_pool, tables, lens_t), expected, atol=ATOL, rtol=0
-    )
+    out = paged_attention(q, k_pool, v_pool, tables, lens_t, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_choose_splits_fills_the_machine_without_tiny_splits():
+    from minillm.kernels.paged_attention import choose_splits
+
+    cpu = torch.device("cpu")
+    assert choose_splits(1, 1, 512, cpu) == 8  # batch 1, long context: split
+    assert choose_splits(64, 2, 512, cpu) == 1  # the batch already gives enough programs
+    assert choose_splits(1, 1, 12, cpu) == 1  # 12 blocks: a split needs 8 of them
 
 
 def test_paged_decode_rejects_bad_shapes():
@@ -81,7 +92,7 @@ def test_paged_decode_rejects_bad_shapes():
     q, k_pool, v_pool, tables, lens, _, _ = paged_case([3, 5], 4, 2, 8, 4)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(q[:, :3], k_pool, v_pool, tables, lens)
-    with pytest.raises(ValueError, match="context_lens"):
+    with pytest.raises(RuntimeError, match="context_lens"):  # checked on the device
         paged_attention(q, k_pool, v_pool, tables, lens * 0)
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from minillm.cache.protocol import ModelShape
+from minillm.cache.protocol import ModelShape, SdpaCache
 
 
-class KVCache:
+class KVCache(SdpaCache):
     """Per-layer K/V buffers for `batch_size` sequences of up to `max_len` tokens."""
 
     def __init__(
@@ -41,6 +41,11 @@ class KVCache:
         shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # The buffers never move: tell torch.compile their addresses are fixed, so a compiled
+        # step that writes into them can still be captured as a CUDA graph (otherwise inductor
+        # skips CUDA graphs for "mutated inputs"; transformers' StaticCache does the same).
+        torch._dynamo.mark_static_address(self.k)
+        torch._dynamo.mark_static_address(self.v)
         # How many slots attention reads. Generation lowers it to the longest sequence so
         # far (less work per step); a compiled step keeps max_len (fixed shapes).
         self.kv_len = max_len

@@ -12,16 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from minillm.cache.protocol import ModelShape
-from minillm.kernels.paged_attention import gather_kv
+from minillm.cache.protocol import ModelShape, SdpaCache
+from minillm.kernels.paged_attention import gather_kv, paged_attention
 
 
-class PagedKVCache:
+class PagedKVCache(SdpaCache):
     """The K/V pool [layers, num_blocks, block_size, kv_heads, head_dim], usable as the
     model's `cache=`: call `set_tables` with each batch row's block table before a
-    forward; `update` writes through the tables and returns K/V gathered through them."""
+    forward; the model's `attention` calls then write and read through the tables."""
 
     def __init__(
         self,
@@ -32,8 +31,8 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
         use_kernel: bool = False,
     ) -> None:
-        # use_kernel: the model calls `attention` instead of `update` + SDPA, so decode
-        # steps run the Triton paged kernel (needs CUDA, or TRITON_INTERPRET=1 on a CPU).
+        # use_kernel: decode steps attend with the Triton paged kernel, reading K/V in place
+        # (needs CUDA, or Triton's CPU interpreter: see `minillm.kernels`).
         self.use_kernel = use_kernel
         shape = (
             cfg.num_hidden_layers,
@@ -90,15 +89,11 @@ class PagedKVCache:
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        """Store k, v and attend (q [B, heads, T, head_dim] -> same shape): a decode step
-        (T == 1) runs the Triton paged kernel, reading K/V in place; a prefill gathers and
-        runs SDPA. The model calls it when `use_kernel` is set; Triton must be importable."""
-        if q.shape[2] != 1:
-            k_all, v_all = self.update(layer, k, v, positions)
-            mask = self.causal_mask(positions)
-            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        from minillm.kernels.paged_attention import paged_attention  # imports triton
-
+        """Store k, v through the block tables and attend. With `use_kernel`, a decode step
+        (one new token per row) runs the Triton paged kernel, which reads K/V in place;
+        otherwise (and for prefills) K/V are gathered into contiguous tensors for SDPA."""
+        if not (self.use_kernel and q.shape[2] == 1):
+            return super().attention(layer, q, k, v, positions)
         slots = self.slots(positions).flatten()
         self.k[layer].flatten(0, 1)[slots] = k[:, :, 0].to(self.k.dtype)
         self.v[layer].flatten(0, 1)[slots] = v[:, :, 0].to(self.v.dtype)

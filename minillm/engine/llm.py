@@ -29,6 +29,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
+        dtype: str | torch.dtype = "auto",
         device: str | None = None,
         seed: int | None = None,  # accepted for vLLM compatibility; requests seed themselves
         tensor_parallel_size: int = 1,
@@ -37,10 +38,11 @@ class LLM:
     ) -> None:
         if tensor_parallel_size != 1:
             raise ValueError("minillm runs on one device: use tensor_parallel_size=1")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_name = model or "minillm-bundled"
         self.tokenizer = load_tokenizer(model)
-        self.engine = Engine(load_model(model, device=device), self.tokenizer, **engine_kwargs)
+        # dtype "auto": bf16 on a GPU, fp32 on a CPU (vLLM's "auto" reads the checkpoint)
+        weights = load_model(model, dtype=dtype, device=device or "auto")
+        self.engine = Engine(weights, self.tokenizer, **engine_kwargs)
 
     def get_tokenizer(self):
         return self.tokenizer

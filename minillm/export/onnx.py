@@ -30,8 +30,9 @@ Two graphs:
    decode (sequence = 1): the loop feeds each step's presents back as the next pasts.
 
 ONNX has no mutable buffers, so the pre-allocated `KVCache` of chapter 02 (written in
-place at each position) becomes `ConcatCache`: the same `update`/`causal_mask`
-interface, but `update` returns past ++ new and the graph outputs that as the present.
+place at each position) becomes `ConcatCache`: the same cache protocol (the model calls
+its `attention`), but its `update` returns past ++ new and the graph outputs that as the
+present.
 
 Pitfalls, caught here with errors that name the fix:
 
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minillm.cache.protocol import SdpaCache
 from minillm.export.onnx_checks import check_onnx
 from minillm.export.quiet import quiet
 from minillm.model.transformer import Transformer
@@ -68,7 +70,7 @@ class UnsupportedOpError(RuntimeError):
     """The exporter has no ONNX translation for an op the model uses."""
 
 
-class ConcatCache:
+class ConcatCache(SdpaCache):
     """KVCache's interface for an exported graph: K/V arrive as inputs (`past`) and
     leave as outputs (`presents`), past and new concatenated along the sequence axis.
 

@@ -9,8 +9,8 @@ tile raises the max, what was summed so far is rescaled by exp(m_old - m_new). C
 lets a program stop at its diagonal tile: keys after the last query row are never read.
 
 Layouts: q [B, heads, T, D], k/v [B, kv_heads, T, D] (grouped-query attention: query head
-h reads kv head h // (heads / kv_heads)); out like q. Import after setting TRITON_INTERPRET=1
-on a machine without a GPU (see `minillm.kernels`).
+h reads kv head h // (heads / kv_heads)); out like q. On a machine without a GPU the kernel
+runs in Triton's interpreter (`minillm.kernels` decides).
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def _flash_prefill_kernel(
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k)) * scale  # scale includes log2(e): exp2 below is exp
         visible = (keys[None, :] <= rows[:, None]) & (keys[None, :] < T)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -93,34 +93,52 @@ def _flash_prefill_kernel(
     )
 
 
+def prefill_tiles(head_dim: int, device: torch.device) -> dict[str, int]:
+    """Tile sizes by device: 16 x 16 in the interpreter (each program runs in Python), and
+    on a GPU the shapes Triton's own attention tutorial uses on Hopper (128 query rows by 64
+    keys for head_dim <= 64, 4 warps, 3 pipeline stages). The GPU check sweeps others."""
+    if device.type != "cuda":
+        return dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    return dict(block_m=64, block_n=64, num_warps=8, num_stages=3)
+
+
 def flash_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float | None = None,
-    block_m: int = 16,
-    block_n: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention out [B, heads, T, D], equal to SDPA(q, k, v, is_causal=True,
-    enable_gqa=True); block_m/block_n are the tile sizes (powers of two, >= 16)."""
+    enable_gqa=True). Tiles (powers of two, >= 16) and launch parameters left as None come
+    from `prefill_tiles`."""
     require_triton()
     B, H, T, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, D):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
     if H % k.shape[1]:
         raise ValueError(f"{H} query heads is not a multiple of {k.shape[1]} kv heads")
-    for name, n in (("block_m", block_m), ("block_n", block_n)):
+    cfg = prefill_tiles(D, q.device)
+    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    cfg.update({name: n for name, n in given.items() if n is not None})
+    for name in ("block_m", "block_n"):
+        n = cfg[name]
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name}={n}: tiles must be powers of two >= 16 (tl.dot's minimum)")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
-    grid = (triton.cdiv(T, block_m), B, H)
+    grid = (triton.cdiv(T, cfg["block_m"]), B, H)
     _flash_prefill_kernel[grid](
         q,
         k,
         v,
         out,
-        scale or 1 / math.sqrt(D),
+        (scale or 1 / math.sqrt(D)) * 1.4426950408889634,  # log2(e): the kernel uses exp2
         T,
         q.stride(0),
         q.stride(1),
@@ -131,8 +149,10 @@ def flash_prefill(
         GROUP=H // k.shape[1],
         D=D,
         D_P2=max(16, triton.next_power_of_2(D)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
         IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out

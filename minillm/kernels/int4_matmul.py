@@ -96,27 +96,57 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok & (rn[None, :] < N))
 
 
+def int4_config(m: int, n: int, group_size: int, device: torch.device) -> dict[str, int]:
+    """Launch parameters picked by shape. Decode (m <= 16 rows) is a matrix-vector product:
+    one 16-row tile (tl.dot's minimum), narrow column tiles so there are enough programs to
+    keep every SM reading weights, and long K steps. Prefill-sized m gets square tiles. The
+    GPU check sweeps alternatives and reports the fastest against these defaults."""
+    on_gpu = device.type == "cuda"
+    block_k = min(group_size, 128 if on_gpu else 64)
+    if m <= 16:
+        return dict(
+            block_m=16, block_n=32 if n <= 8192 else 64, block_k=block_k, num_warps=4, num_stages=3
+        )
+    return dict(block_m=64, block_n=64, block_k=min(group_size, 64), num_warps=4, num_stages=3)
+
+
 def int4_matmul(
-    x: torch.Tensor, qw: PackedInt4, block_n: int = 32, block_k: int | None = None
+    x: torch.Tensor,
+    qw: PackedInt4,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """y = x @ dequantize(qw)^T with the fused Triton kernel. x: [M, K] fp32/fp16 on the
-    weight's device (a GPU, or the CPU under TRITON_INTERPRET=1); y: [M, N] in x's dtype."""
-    require_triton()
+    """y = x @ dequantize(qw)^T with the fused Triton kernel. x: [M, K] fp32/fp16 (bf16 too
+    on a GPU) on the weight's device (a GPU, or the CPU in Triton's interpreter); y: [M, N]
+    in x's dtype. Launch parameters left as None come from `int4_config`."""
+    how = require_triton()
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K] (flatten batch and time first), got {tuple(x.shape)}")
     N, K = qw.packed.shape[0], qw.packed.shape[1] * 2
     if x.shape[1] != K:
         raise ValueError(f"x has {x.shape[1]} features, the weight expects {K}")
-    if x.dtype == torch.bfloat16:
-        raise ValueError("bf16 x is not supported (Triton's interpreter gets bf16 dots wrong)")
-    block_k = block_k or min(qw.group_size, 64)
-    if qw.group_size % block_k:
-        raise ValueError(f"block_k={block_k} must divide group_size={qw.group_size}")
+    if x.dtype == torch.bfloat16 and how == "interpreter":
+        raise ValueError("bf16 x needs a GPU: Triton's interpreter gets bf16 dots wrong")
+    cfg = int4_config(x.shape[0], N, qw.group_size, x.device)
+    given = dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    if qw.group_size % cfg["block_k"]:
+        raise ValueError(f"block_k={cfg['block_k']} must divide group_size={qw.group_size}")
+    if cfg["block_m"] < 16:
+        raise ValueError(f"block_m={cfg['block_m']}: tl.dot needs tiles of at least 16 rows")
     x = x.contiguous()
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     zero = qw.zero if qw.zero is not None else qw.scale  # unused when HAS_ZERO is False
-    block_m = 16  # tl.dot's minimum tile; decode rows beyond M are masked
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(N, block_n))
+    grid = (triton.cdiv(x.shape[0], cfg["block_m"]), triton.cdiv(N, cfg["block_n"]))
     _int4_matmul_kernel[grid](
         x,
         qw.packed,
@@ -132,8 +162,10 @@ def int4_matmul(
         y.stride(0),
         GROUP=qw.group_size,
         HAS_ZERO=qw.zero is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return y

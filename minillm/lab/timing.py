@@ -129,3 +129,29 @@ def time_ratios(
         samples = time_samples(pair, repeats=repeats, warmup=warmup)
         ratios[name] = paired_ratios(samples, baseline)[name]
     return {name: ratios[name] for name in fns}
+
+
+def kernel_time_ms(
+    fn: Callable[[], Any], warmup: int = 5, repeats: int = 25, flush_bytes: int = 256 * 2**20
+) -> float:
+    """Median milliseconds of one call of a GPU kernel (or of `fn` on a CPU), for bandwidth
+    figures: on CUDA each call is timed with CUDA events after overwriting a buffer larger
+    than the L2 cache, so data a previous call left in cache cannot inflate the result (what
+    `triton.testing.do_bench` does). On a CPU: wall time, median of `repeats` calls."""
+    for _ in range(warmup):
+        fn()
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        samples = []
+        for _ in range(repeats):
+            samples.append(timed(fn))
+        return 1e3 * statistics.median(samples)
+    flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for start, end in zip(starts, ends, strict=True):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))

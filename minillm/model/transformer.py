@@ -11,6 +11,7 @@ cache by passing positions that continue where the prompt stopped.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,18 +84,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, positions, cos, sin, mask, cache: Cache | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, T, heads * head_dim] of x: three GEMMs here; chapter 04's fused
+        attention overrides this with one."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if getattr(cache, "use_kernel", False):  # chapter 07: the paged cache's own kernel
+        if cache is not None:  # the cache stores k, v and attends over all it holds
             out = cache.attention(self.layer_idx, q, k, v, positions)
-        else:
-            if cache is not None:  # store this step's K/V, attend over everything stored so far
-                k, v = cache.update(self.layer_idx, k, v, positions)
-            # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+        else:  # grouped-query attention: each kv head serves n_heads / n_kv_heads query heads
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )
@@ -160,19 +172,32 @@ class Transformer(nn.Module):
         cache: Cache | None = None,
     ) -> torch.Tensor:
         """`positions` defaults to 0..T-1. Without a cache, attention is causal over the T
-        tokens given; with one, the tokens' K/V are written at their positions and each
-        token attends to every cached position up to its own. `mask` (bool [B, 1, T, S],
-        True = attend) overrides either."""
+        tokens given, or follows `mask` (bool [B, 1, T, T], True = attend). With a cache, the
+        tokens' K/V go into it at their positions and each token attends to every cached
+        position up to its own: the cache decides what each query sees."""
+        if cache is not None and mask is not None:
+            raise ValueError(
+                "a cache decides which slots each query sees: give mask= only without one"
+            )
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = positions.expand(input_ids.shape[0], -1)
-        if cache is not None and mask is None:
-            mask = cache.causal_mask(positions)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, cos, sin, mask, cache)
         return self.lm_head(self.model.norm(x))
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> Transformer:
+        """`.half()`, `.to(torch.bfloat16)` and friends cast every buffer; the rotation
+        frequencies must stay fp32 (in fp16, position 8000's angle is off by radians), so
+        they are rebuilt in fp32 on whatever device the weights went to."""
+        super()._apply(fn, recurse)
+        if self.lm_head.weight.device.type != "meta":
+            self.inv_freq = rope_inv_freq(self.config).to(self.lm_head.weight.device)
+        return self
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""

@@ -115,12 +115,37 @@ def _check_tensors(model: Transformer, state: dict[str, torch.Tensor]) -> None:
             )
 
 
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """ "auto" (or None): the GPU when CUDA is available, else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """ "auto" (or None): bf16 on a GPU (what serving engines run), fp32 on a CPU (where bf16
+    matmuls are slow and the course compares against fp32 references). Or a name such as
+    "bfloat16" / "float16" / "float32", or a torch dtype."""
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16}
+    names |= {"fp16": torch.float16, "half": torch.float16, "float32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(names)} or a torch dtype")
+    return names[dtype]
+
+
 def load_model(
     path_or_id: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> Transformer:
-    """A minillm Transformer in eval mode with the checkpoint's weights."""
+    """A minillm Transformer in eval mode with the checkpoint's weights. `device` and
+    `dtype` accept "auto" (see `resolve_device`, `resolve_dtype`)."""
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     model_dir = resolve_model_dir(path_or_id)
     cfg = load_config(model_dir)
     with torch.device("meta"):  # no memory or init time for weights we overwrite

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.model.transformer import MLP, Attention, RMSNorm, Transformer, apply_rope
+from minillm.model.transformer import MLP, Attention, RMSNorm, Transformer
 
 
 class ScaleFreeRMSNorm(nn.Module):
@@ -57,11 +57,12 @@ def _cat_linears(*linears: nn.Linear) -> nn.Linear:
     return _linear(weight, bias)
 
 
-class FusedAttention(nn.Module):
-    """`Attention` with q/k/v as one GEMM; same forward signature and KV-cache calls."""
+class FusedAttention(Attention):
+    """`Attention` with q/k/v as one GEMM: only the projection hook differs, so the
+    attention itself (RoPE, the cache protocol, GQA) is the model's own code."""
 
     def __init__(self, attn: Attention) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not Attention's: its q/k/v layers are replaced, not built
         self.layer_idx = attn.layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.qkv_proj = _cat_linears(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -69,19 +70,9 @@ class FusedAttention(nn.Module):
         hd = self.head_dim
         self.sizes = [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd]
 
-    def forward(self, x, positions, cos, sin, mask, cache) -> torch.Tensor:
-        B, T, _ = x.shape
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return q, k, v
 
 
 class FusedMLP(nn.Module):

@@ -7,7 +7,7 @@ ONNX Runtime session wrapped in a function), so every backend is scored the same
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,3 +89,11 @@ def next_token_agreement(
         b = candidate(batch.to(_device(candidate))).argmax(-1).cpu()
         same += (a == b).sum().item()
     return same / x.numel()
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first token where two generations differ (the shorter length if one is
+    a prefix of the other): how far two engines agree when exact equality is not promised."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
