@@ -6,8 +6,6 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from minillm import SamplingParams, Tokenizer, Transformer
 
@@ -15,8 +13,8 @@ if TYPE_CHECKING:
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm import load_model, load_tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_model(args.model, device=device), load_tokenizer(args.model)
+    model = load_model(args.model, device=args.device or "auto")  # auto: CUDA if present
+    return model, load_tokenizer(args.model)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
