@@ -146,7 +146,7 @@ def _doctor(_args: argparse.Namespace) -> None:
 MODEL_HELP = "checkpoint directory, .gguf file, hub id, or a name: smollm2"
 
 
-def _sampling_arguments(
+def _generation_arguments(
     parser: argparse.ArgumentParser, max_tokens: int, temperature: float, top_p: float
 ) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompt is a user message: apply "
         "the model's chat template and print only the reply",
     )
-    _sampling_arguments(gen, max_tokens=64, temperature=0.8, top_p=0.95)
+    _generation_arguments(gen, max_tokens=64, temperature=0.8, top_p=0.95)
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     gen.add_argument(
         "--print-token-ids", action="store_true", help="print the generated ids as a last line"
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default="smollm2", help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
     # SmolLM2's model card samples at temperature 0.2, top_p 0.9.
-    _sampling_arguments(chat, max_tokens=256, temperature=0.2, top_p=0.9)
+    _generation_arguments(chat, max_tokens=256, temperature=0.2, top_p=0.9)
     chat.set_defaults(func=_chat)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (bundled model by default)")
