@@ -167,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--chat",
         action="store_true",
-        help="the prompt is a user message: apply "
-        "the model's chat template and print only the reply",
+        help="the prompt is a user message: apply the model's chat template, print the reply",
     )
     _generation_arguments(gen, max_tokens=64, temperature=0.8, top_p=0.95)
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
