@@ -83,8 +83,9 @@ format: $(STAMP)
 # part that needs a missing package says "skipped: needs X". GPU_CHECK_ARGS=--cpu runs the tiny
 # CPU mode that CI runs (tests/test_gpu_check.py).
 GPU_CHECK_ARGS ?=
+COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null)
 gpu-check:
-	PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	MINILLM_COMMIT=$(COMMIT) PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist *.egg-info

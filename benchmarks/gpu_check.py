@@ -80,6 +80,23 @@ def env(run: Run) -> dict[str, Any]:
     return out
 
 
+def _commit() -> str:
+    """The checked-out commit, when git and the repository's .git are there (the GPU machine
+    gets the working tree without .git: `make gpu-check COMMIT=...` passes it instead)."""
+    import os
+    import subprocess
+
+    if os.environ.get("MINILLM_COMMIT"):
+        return os.environ["MINILLM_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 PARTS: dict[str, Callable[[Run], dict[str, Any]]] = {
     "env": env,
     "kernels": gpu_parts.kernels,
@@ -93,7 +110,7 @@ PARTS: dict[str, Callable[[Run], dict[str, Any]]] = {
 def run_all(cpu: bool = False, budget_s: float = 330.0, only: list[str] | None = None) -> dict:
     """Every part (or `only` these), each isolated; the report as a dict."""
     run = Run(cpu, budget_s)
-    report: dict[str, Any] = {"mode": "cpu" if run.cpu else "gpu", "parts": {}}
+    report: dict[str, Any] = {"mode": "cpu" if run.cpu else "gpu", "commit": _commit(), "parts": {}}
     t_start = time.perf_counter()
     for name, part in PARTS.items():
         if only and name not in only:

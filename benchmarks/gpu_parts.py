@@ -101,16 +101,26 @@ def _graph_mode(run) -> dict[str, Any]:
 
 
 def cuda_graphs(run) -> dict[str, Any]:
+    """Same tokens: checked in fp32, where both paths round alike. In bf16 inductor keeps a
+    fused chain of elementwise ops in fp32 where eager rounds to bf16 after each op, so a
+    logit within a rounding step of the next can swap and greedy tokens diverge from there:
+    reported as agreement, not required (the first GPU run saw bf16 tokens differ)."""
     out: dict[str, Any] = {}
-    bundled = load_model(device=run.device, dtype=run.dtype)
-    work = prompts(4, bundled.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    torch._dynamo.reset()
-    step = compile_decode_step(**_graph_mode(run))
-    eager_tokens = generate_static(bundled, work, params, compiled=False)
-    graph_tokens = generate_static(bundled, work, params, compiled=step)
-    same = eager_tokens == graph_tokens
-    out["bundled_same_tokens"] = same
+    for dtype in dict.fromkeys([torch.float32, run.dtype]):
+        bundled = load_model(device=run.device, dtype=dtype)
+        work = prompts(4, bundled.config.vocab_size, seed=1)
+        torch._dynamo.reset()
+        step = compile_decode_step(**_graph_mode(run))
+        eager_tokens = generate_static(bundled, work, params, compiled=False)
+        graph_tokens = generate_static(bundled, work, params, compiled=step)
+        out[f"bundled {dtype}"] = {
+            "identical": eager_tokens == graph_tokens,
+            "first_divergence": [
+                first_divergence(a, b) for a, b in zip(eager_tokens, graph_tokens, strict=True)
+            ],
+        }
+    same = out[f"bundled {torch.float32}"]["identical"]
     model = big_model(run)
     out["speedup"] = {
         f"batch {b}": compile_bench.step_modes(
@@ -121,7 +131,7 @@ def cuda_graphs(run) -> dict[str, Any]:
     counters = torch._dynamo.utils.counters["inductor"]
     out["cudagraph_counters"] = {k: v for k, v in counters.items() if "cudagraph" in k}
     out["checks"] = [
-        check("CUDA-graph step gives the eager step's greedy tokens (bundled)", same),
+        check("CUDA-graph step gives the eager step's greedy tokens (bundled, fp32)", same),
         check(
             "no CUDA-graph skips",
             run.cpu or not any("skip" in k for k in out["cudagraph_counters"]),

@@ -21,7 +21,7 @@ def paged_64x2k(report: Report) -> dict:
         r
         for r in _rows(report, "kernels", "paged_decode")
         if r["batch"] == 64 and r["context"] == 2048 and r["block_size"] == 16
-    ]
+    ]  # the best launch configuration of the sweep counts
     best = max((r["frac_of_copy"] for r in rows), default=None)
     met = None if best is None or report["mode"] == "cpu" else best >= 0.70
     return _goal("paged decode, batch 64 x 2k", ">= 70% of copy bandwidth", best, met, "kernels")
@@ -105,9 +105,11 @@ def markdown(report: Report) -> str:
         f"ran as: {env.get('triton_mode', '?')}. {report['checks_passed']}/"
         f"{report['checks_total']} checks passed in {report['seconds']:.0f} s.",
         "",
-        "Produced by `make gpu-check` (`python3 -m benchmarks.gpu_check`); every speed is a ratio "
-        "or a fraction of a ceiling measured in the same run.",
+        "Produced by `make gpu-check` (`python3 -m benchmarks.gpu_check`) at commit "
+        f"{report.get('commit', 'unknown')}; every speed is a ratio or a fraction of a ceiling "
+        "measured in the same run.",
         "",
+        *([report["note"], ""] if report.get("note") else []),
         "## Goals",
         "",
     ]

@@ -28,7 +28,12 @@ import torch.nn.functional as F
 
 from minillm.kernels.flash_prefill import flash_prefill, prefill_tiles
 from minillm.kernels.int4_matmul import int4_config, int4_matmul, int4_matmul_reference
-from minillm.kernels.paged_attention import choose_splits, gather_kv, paged_attention
+from minillm.kernels.paged_attention import (
+    choose_splits,
+    decode_tile,
+    gather_kv,
+    paged_attention,
+)
 from minillm.lab.timing import kernel_time_ms
 from minillm.quant import quantize_int4
 
@@ -38,16 +43,15 @@ SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64)
 TINY = dict(heads=4, kv_heads=2, head_dim=16)
 # Launch configurations tried besides each kernel's default (GPU only).
 _PREFILL_SWEEP = [
-    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),
     dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
     dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
 ]
-_INT4_SWEEP = [
-    dict(block_n=n, block_k=k, num_warps=w)
-    for n in (32, 64, 128)
-    for k in (64, 128)
-    for w in (2, 4)
+_INT4_SWEEP = [  # the GEMV kernel's rows per program and K splits, then the tile kernel's
+    *[dict(block_n=n, split_k=k) for n in (8, 16, 32) for k in (4, 8, 16)],
+    *[dict(split_k=0, block_n=n, block_k=128, num_warps=4) for n in (32, 64)],
 ]
 
 
@@ -90,7 +94,9 @@ def paged_decode_rows(device: torch.device, small: bool, copy_Bps: float) -> lis
     """Paged decode: error vs SDPA on gathered K/V, and GB/s of K/V read."""
     dtype = torch.float32 if small else torch.bfloat16
     if small:
-        cases = [(2, 40, 8, TINY, s) for s in (1, 2, None)]
+        cases = [(2, 40, 8, TINY, s, {}) for s in (1, 2, None)] + [
+            (2, 40, 8, TINY, 2, {"tile": 32})
+        ]
     else:
         cases = [
             (64, 2048, 16, LLAMA3_8B, 1),
@@ -102,14 +108,20 @@ def paged_decode_rows(device: torch.device, small: bool, copy_Bps: float) -> lis
             (8, 1024, 16, SMOLLM2, None),
             *[(64, 2048, bs, LLAMA3_8B, None) for bs in (8, 32, 64)],  # block-size sweep
         ]
+        cases = [(*c, {}) for c in cases] + [  # launch sweep: tokens per tile, warps
+            (b, ctx, 16, LLAMA3_8B, None, dict(tile=t, num_warps=w))
+            for b, ctx in ((64, 2048), (1, 8192))
+            for t in (32, 64, 128)
+            for w in (4, 8)
+        ]
     rows = []
-    for batch, ctx, block, shape, splits in cases:
+    for batch, ctx, block, shape, splits, launch in cases:
         q, k_pool, v_pool, tables, lens = _pool(batch, ctx, block, shape, dtype, device)
         used = splits or choose_splits(batch, shape["kv_heads"], tables.shape[1], q.device)
-        out = paged_attention(q, k_pool, v_pool, tables, lens, num_splits=splits)
+        out = paged_attention(q, k_pool, v_pool, tables, lens, None, splits, **launch)
         err = (out.float() - sdpa_on_gathered(q, k_pool, v_pool, tables, lens)).abs().max()
         args = (q, k_pool, v_pool, tables, lens, None, splits)
-        ms = _time(lambda args=args: paged_attention(*args), small)
+        ms = _time(lambda args=args, kw=launch: paged_attention(*args, **kw), small)
         kv_bytes = 2 * batch * ctx * shape["kv_heads"] * shape["head_dim"] * dtype.itemsize
         rows.append(
             {
@@ -119,6 +131,7 @@ def paged_decode_rows(device: torch.device, small: bool, copy_Bps: float) -> lis
                 "block_size": block,
                 "heads": f"{shape['heads']}/{shape['kv_heads']}x{shape['head_dim']}",
                 "splits": used,
+                "launch": str(launch or decode_tile(shape["head_dim"], q.device)),
                 "max_err": err.item(),
                 "ms": ms,
                 "GBps": kv_bytes / ms / 1e6,

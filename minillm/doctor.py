@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import re
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -53,6 +54,45 @@ def check(req: Requirement) -> tuple[bool, str]:
     return ok, f"{'OK  ' if ok else 'FAIL'} {req.name:<16} {version:<14} (wants {req.specifier})"
 
 
+# The oldest Linux driver each CUDA major release of PyTorch needs (NVIDIA's CUDA release
+# notes, "minor version compatibility"): PyPI's torch 2.13.0 is the CUDA 13.0 build.
+MIN_DRIVER = {13: 580, 12: 525, 11: 450}
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version nvidia-smi reports, or None (no driver, no nvidia-smi)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def driver_problem(torch_cuda: str | None, driver: str | None, cuda_ok: bool) -> str | None:
+    """Why a GPU that is there is not used: a CUDA build of torch newer than the driver. None
+    when CUDA works, when torch is a CPU build, or when no NVIDIA driver is installed."""
+    if cuda_ok or torch_cuda is None or driver is None:
+        return None
+    major = int(torch_cuda.split(".")[0])
+    need = MIN_DRIVER.get(major)
+    have = int(driver.split(".")[0])
+    if need is None or have >= need:
+        return None
+    return (
+        f"torch {torch.__version__} is built for CUDA {torch_cuda}, which needs NVIDIA driver "
+        f">= {need}; this machine has {driver}, so torch.cuda.is_available() is False. Fix: "
+        "update the driver, or install a torch built for an older CUDA (e.g. pip install "
+        "torch --index-url https://download.pytorch.org/whl/cu126) and skip the GPU pins "
+        "that need CUDA 13 (vLLM, torch-tensorrt)."
+    )
+
+
 def device_lines() -> tuple[str, list[str]]:
     """('cuda' | 'mps' | 'cpu', description lines)."""
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
@@ -64,9 +104,12 @@ def device_lines() -> tuple[str, list[str]]:
             name = torch.cuda.get_device_name(i)
             lines.append(f"cuda:{i}: {name}, compute capability {major}.{minor}, {mem:.0f} GiB")
         return "cuda", lines
+    problem = driver_problem(torch.version.cuda, nvidia_driver(), cuda_ok=False)
+    if problem:
+        lines.append(f"FAIL GPU present but unusable: {problem}")
     if torch.backends.mps.is_available():
         return "mps", lines + ["mps: Apple GPU (CUDA-only cells will skip)"]
-    return "cpu", lines + ["no GPU: Triton kernels run interpreted (TRITON_INTERPRET=1)"]
+    return "cpu", lines + ["no GPU: Triton kernels run in Triton's CPU interpreter"]
 
 
 def main() -> int:

@@ -33,7 +33,13 @@ def case(m: int, n: int, k: int, group: int, symmetric: bool, seed: int = 0):
     ],
 )
 @pytest.mark.parametrize(
-    "launch", [{}, {"block_n": 64, "block_k": 32, "num_warps": 2}, {"block_m": 32}]
+    "launch",
+    [
+        {},  # int4_config: the GEMV kernel up to 4 rows, tensor-core tiles above
+        {"block_n": 64, "block_k": 32, "num_warps": 2},
+        {"split_k": 3},  # the GEMV kernel, K cut in 3 (uneven) ranges added atomically
+        {"split_k": 0, "block_m": 32},  # the tile kernel, whatever the rows
+    ],
 )
 def test_int4_kernel_matches_dequantize_then_matmul(m, n, k, group, symmetric, launch):
     """The default launch (`int4_config`) and explicit ones compute the same product."""

@@ -77,6 +77,17 @@ def test_paged_decode_matches_sdpa(lens, heads, kv_heads, head_dim, block_size, 
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("tile, num_splits", [(32, 1), (32, 3), (64, 2)])
+def test_paged_decode_tiles_span_several_blocks(tile, num_splits):
+    """A tile of 32 tokens over blocks of 4 reads 8 blocks per iteration, each through its
+    own table entry; a split boundary may fall inside a tile's reach."""
+    from minillm.kernels.paged_attention import paged_attention
+
+    q, k_pool, v_pool, tables, lens, k, v = paged_case([37, 5, 64], 6, 2, 16, 4, seed=3)
+    out = paged_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, tile=tile)
+    torch.testing.assert_close(out, dense_decode(q, k, v, lens), atol=ATOL, rtol=0)
+
+
 def test_choose_splits_fills_the_machine_without_tiny_splits():
     from minillm.kernels.paged_attention import choose_splits
 
@@ -94,6 +105,8 @@ def test_paged_decode_rejects_bad_shapes():
         paged_attention(q[:, :3], k_pool, v_pool, tables, lens)
     with pytest.raises(RuntimeError, match="context_lens"):  # checked on the device
         paged_attention(q, k_pool, v_pool, tables, lens * 0)
+    with pytest.raises(ValueError, match="tile=24"):
+        paged_attention(q, k_pool, v_pool, tables, lens, tile=24)
 
 
 @pytest.mark.parametrize(

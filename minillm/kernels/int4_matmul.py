@@ -8,9 +8,17 @@ fused kernel reads the 0.5 byte/weight once and dequantizes in registers.
 
     y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, k // G]) * scale[n, k // G]
 
-Each program computes a BLOCK_M x BLOCK_N tile of y. Byte j of a packed row holds
-code 2j (low nibble) and 2j+1 (high nibble), so instead of interleaving the nibbles the
-kernel splits x into its even and odd columns: y = x_even @ w_lo^T + x_odd @ w_hi^T.
+Byte j of a packed row holds code 2j (low nibble) and 2j+1 (high nibble), so instead of
+interleaving the nibbles the kernels split x into its even and odd columns:
+y = x_even @ w_lo^T + x_odd @ w_hi^T. Two kernels:
+
+- `_int4_matmul_kernel` (prefill-sized M): each program computes a BLOCK_M x BLOCK_N tile
+  of y with tensor-core dots (BLOCK_M >= 16, tl.dot's minimum).
+- `_int4_gemv_kernel` (decode, a few rows): a dot with one real row would waste 15/16 of
+  each 16-row tile, and with N / BLOCK_N programs alone too few weight bytes are in flight
+  to fill the memory system. So each program takes BLOCK_N rows of W over 1/SPLIT_K of K,
+  multiplies elementwise and sums, and adds its partial result into an fp32 y with an
+  atomic add: N / BLOCK_N x SPLIT_K programs read the weight once, all at the same time.
 """
 
 from __future__ import annotations
@@ -95,6 +103,51 @@ if triton is not None:
         y = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok & (rn[None, :] < N))
 
+    @triton.jit
+    def _int4_gemv_kernel(
+        x_ptr,
+        packed_ptr,
+        scale_ptr,
+        zero_ptr,
+        y_ptr,  # fp32 [M, N], zeroed: split programs add into it
+        N,
+        K,
+        stride_xm,
+        stride_pn,
+        stride_sn,
+        stride_ym,
+        k_per_split,
+        GROUP: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,  # unpacked inputs per step; divides GROUP
+    ):
+        pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rj = tl.arange(0, BLOCK_K // 2)  # byte index inside the K step
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+            p = tl.load(packed_ptr + rn[:, None] * stride_pn + (k0 // 2 + rj)[None, :],
+                        mask=n_ok[:, None], other=0)  # fmt: skip
+            g = k0 // GROUP
+            s = tl.load(scale_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(zero_ptr + rn * stride_sn + g, mask=n_ok, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            col = k0 + 2 * rj
+            x_even = tl.load(x_ptr + row * stride_xm + col).to(tl.float32)  # [BLOCK_K/2]
+            x_odd = tl.load(x_ptr + row * stride_xm + col + 1).to(tl.float32)
+            lo = (p & 0xF).to(tl.float32) - z[:, None]
+            hi = (p >> 4).to(tl.float32) - z[:, None]
+            acc += s * tl.sum(lo * x_even[None, :] + hi * x_odd[None, :], axis=1)
+        tl.atomic_add(y_ptr + row * stride_ym + rn, acc, mask=n_ok)
+
+
+GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel (one program row per x row)
+
 
 def int4_config(m: int, n: int, group_size: int, device: torch.device) -> dict[str, int]:
     """Launch parameters picked by shape. Decode (m <= 16 rows) is a matrix-vector product:
@@ -103,6 +156,9 @@ def int4_config(m: int, n: int, group_size: int, device: torch.device) -> dict[s
     GPU check sweeps alternatives and reports the fastest against these defaults."""
     on_gpu = device.type == "cuda"
     block_k = min(group_size, 128 if on_gpu else 64)
+    if m <= GEMV_ROWS:  # the GEMV kernel: enough (row block, K split) programs for every SM
+        return dict(block_m=1, block_n=16, block_k=block_k, split_k=8 if on_gpu else 2,
+                    num_warps=4, num_stages=2)  # fmt: skip
     if m <= 16:
         return dict(
             block_m=16, block_n=32 if n <= 8192 else 64, block_k=block_k, num_warps=4, num_stages=3
@@ -118,6 +174,7 @@ def int4_matmul(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(qw)^T with the fused Triton kernel. x: [M, K] fp32/fp16 (bf16 too
     on a GPU) on the weight's device (a GPU, or the CPU in Triton's interpreter); y: [M, N]
@@ -141,9 +198,11 @@ def int4_matmul(
     cfg.update({k: v for k, v in given.items() if v is not None})
     if qw.group_size % cfg["block_k"]:
         raise ValueError(f"block_k={cfg['block_k']} must divide group_size={qw.group_size}")
+    x = x.contiguous()
+    if cfg.get("split_k"):  # the GEMV kernel
+        return _int4_gemv(x, qw, cfg)
     if cfg["block_m"] < 16:
         raise ValueError(f"block_m={cfg['block_m']}: tl.dot needs tiles of at least 16 rows")
-    x = x.contiguous()
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     zero = qw.zero if qw.zero is not None else qw.scale  # unused when HAS_ZERO is False
     grid = (triton.cdiv(x.shape[0], cfg["block_m"]), triton.cdiv(N, cfg["block_n"]))
@@ -169,3 +228,34 @@ def int4_matmul(
         num_stages=cfg["num_stages"],
     )
     return y
+
+
+def _int4_gemv(x: torch.Tensor, qw: PackedInt4, cfg: dict[str, int]) -> torch.Tensor:
+    """Launch the GEMV kernel: grid (row blocks of W, K splits, rows of x)."""
+    N, K = qw.packed.shape[0], qw.packed.shape[1] * 2
+    # Each split covers whole K steps, so a step never crosses into the next split.
+    k_per_split = -(-K // (cfg["split_k"] * cfg["block_k"])) * cfg["block_k"]
+    y = torch.zeros(x.shape[0], N, dtype=torch.float32, device=x.device)
+    zero = qw.zero if qw.zero is not None else qw.scale  # unused when HAS_ZERO is False
+    grid = (triton.cdiv(N, cfg["block_n"]), triton.cdiv(K, k_per_split), x.shape[0])
+    _int4_gemv_kernel[grid](
+        x,
+        qw.packed,
+        qw.scale,
+        zero,
+        y,
+        N,
+        K,
+        x.stride(0),
+        qw.packed.stride(0),
+        qw.scale.stride(0),
+        y.stride(0),
+        k_per_split,
+        GROUP=qw.group_size,
+        HAS_ZERO=qw.zero is not None,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y.to(x.dtype)

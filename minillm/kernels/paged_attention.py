@@ -7,9 +7,11 @@ its sequence's cached keys and values, which live scattered over the block pool.
   (`gather_kv`), then ordinary attention. Simple, but it copies the whole cache every
   step: extra memory traffic on a step that is all memory traffic.
 - `paged_attention` (Triton): one program per (sequence, kv head) walks the sequence's
-  block table and reads each K/V block in place, keeping a running (online) softmax, so
-  nothing is gathered. With grouped-query attention the program serves all the query heads
-  of its kv head at once, so each K/V block is read once, not once per query head.
+  tokens a tile at a time (a tile spans several blocks: each token's physical block comes
+  from the table), reads K/V in place and keeps a running (online) softmax, so nothing is
+  gathered. With grouped-query attention the program serves all the query heads of its kv
+  head at once, as the rows of one matrix product, so each K/V tile is read once, not once
+  per query head.
 
 **Split-K (FlashDecoding).** At batch 1 that is only `kv_heads` programs (3 for SmolLM2),
 a handful of a GPU's 132 SMs, each walking thousands of tokens alone. So long contexts are
@@ -84,8 +86,8 @@ if triton is not None:
         out_ptr,  # [B, H, D], or the partial sums [B, H, SPLITS, D] when SPLIT
         m_ptr,  # [B, H, SPLITS] running max of each split (SPLIT only)
         l_ptr,  # [B, H, SPLITS] softmax denominator of each split (SPLIT only)
-        scale,
-        blocks_per_split,
+        scale,  # 1/sqrt(D) * log2(e): the softmax below uses exp2
+        tokens_per_split,
         stride_qb,
         stride_qh,
         stride_kn,
@@ -98,51 +100,61 @@ if triton is not None:
         stride_mb,
         stride_mh,
         GROUP: tl.constexpr,  # query heads per kv head
-        GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two (tl.arange needs one)
+        GROUP_P2: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
         D: tl.constexpr,
         D_P2: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,  # tokens per KV block: one tile of the loop
+        BLOCK_SIZE: tl.constexpr,  # tokens per KV block of the pool
+        TILE: tl.constexpr,  # tokens per loop iteration: several blocks read at once
         SPLIT: tl.constexpr,  # write partial (m, l, acc) for the merge kernel
+        IEEE: tl.constexpr,  # fp32 dot products in full precision (no TF32)
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        heads = kv_head * GROUP + tl.arange(0, GROUP_P2)  # the query heads this program serves
+        rows = tl.arange(0, GROUP_P2)
+        heads = kv_head * GROUP + rows  # the query heads this program serves
         dims = tl.arange(0, D_P2)
-        head_ok = tl.arange(0, GROUP_P2) < GROUP
+        head_ok = rows < GROUP
         dim_ok = dims < D
         q = tl.load(
             q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
             mask=head_ok[:, None] & dim_ok[None, :],
             other=0.0,
-        ).to(tl.float32)  # [GROUP_P2, D_P2]
+        )  # [GROUP_P2, D_P2]: padding rows are zeros, their results are never stored
         ctx_len = tl.load(lens_ptr + seq)
-        first = split * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx_len, BLOCK_SIZE))
+        first = split * tokens_per_split
+        last = tl.minimum(first + tokens_per_split, ctx_len)
         # Running softmax state per query head: max score m, denominator l, weighted sum acc.
         m = tl.full([GROUP_P2], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P2], tl.float32)  # noqa: E741
         acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
-        tokens = tl.arange(0, BLOCK_SIZE)
-        for i in range(first, last):
-            block = tl.load(tables_ptr + seq * stride_tb + i)  # logical block i -> physical
-            tok_ok = i * BLOCK_SIZE + tokens < ctx_len
+        for start in range(first, last, TILE):
+            toks = start + tl.arange(0, TILE)
+            tok_ok = toks < last
+            # Each token's physical block, through the table: a tile spans several blocks.
+            block = tl.load(tables_ptr + seq * stride_tb + toks // BLOCK_SIZE, mask=tok_ok, other=0)
             offs = (
-                block * stride_kn
-                + tokens[:, None] * stride_kt
+                block[:, None] * stride_kn
+                + (toks % BLOCK_SIZE)[:, None] * stride_kt
                 + kv_head * stride_kh
                 + dims[None, :]
             )
             kv_mask = tok_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK, D_P2]
-            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P2, BLOCK]
-            s = tl.where(tok_ok[None, :], s, float("-inf"))
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [TILE, D_P2]
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(tok_ok[None, :], s * scale, float("-inf"))  # [GROUP_P2, TILE]
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)  # rescales what was summed under the old max
-            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
+            p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         io_mask = head_ok[:, None] & dim_ok[None, :]
         if SPLIT:  # a split past the sequence's end leaves m = -inf, l = 0: it weighs nothing
@@ -184,7 +196,7 @@ if triton is not None:
         stat = seq * stride_mb + head * stride_mh + splits
         m = tl.load(m_ptr + stat, mask=split_ok, other=float("-inf"))
         l = tl.load(l_ptr + stat, mask=split_ok, other=0.0)  # noqa: E741
-        weight = tl.exp(m - tl.max(m, axis=0))  # empty splits: exp(-inf) = 0
+        weight = tl.exp2(m - tl.max(m, axis=0))  # m in log2 units; empty splits: 2^-inf = 0
         acc = tl.load(
             acc_ptr
             + seq * stride_ab
@@ -220,6 +232,15 @@ def choose_splits(batch: int, kv_heads: int, max_blocks: int, device: torch.devi
     return max(1, min(splits, max_blocks // 8, max_blocks))
 
 
+def decode_tile(head_dim: int, device: torch.device) -> dict[str, int]:
+    """Tokens per loop iteration and warps: 64-token tiles (several KV blocks per load, so
+    each iteration has enough memory traffic in flight) on a GPU; 16 in the interpreter. The
+    GPU check sweeps others."""
+    if device.type != "cuda":
+        return dict(tile=16, num_warps=4)
+    return dict(tile=64, num_warps=4 if head_dim <= 64 else 8)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -228,10 +249,13 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton paged decode attention; same arguments and result as `paged_attention_ref`.
-    `num_splits`: ranges of blocks per sequence (1 = no split-K; None = `choose_splits`).
-    Nothing here reads a device value on the host, so a step never waits for the GPU."""
+    `num_splits`: ranges of blocks per sequence (1 = no split-K; None = `choose_splits`);
+    `tile`, `num_warps`: launch parameters (None: `decode_tile`). Nothing here reads a device
+    value on the host, so a step never waits for the GPU."""
     require_triton()
     B, H, D = q.shape
     num_blocks, block_size, kv_heads, d_pool = k_pool.shape
@@ -243,6 +267,10 @@ def paged_attention(
         raise ValueError(f"{H} query heads is not a multiple of {kv_heads} kv heads")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two for this kernel")
+    cfg = decode_tile(D, q.device)
+    cfg.update({k: v for k, v in dict(tile=tile, num_warps=num_warps).items() if v is not None})
+    if cfg["tile"] < 16 or cfg["tile"] & (cfg["tile"] - 1):
+        raise ValueError(f"tile={cfg['tile']}: a power of two >= 16 (tl.dot's minimum)")
     # Checked on the device (no host sync on a GPU): an empty row would divide by zero.
     torch._assert_async((context_lens >= 1).all(), "every sequence needs context_lens >= 1")
     max_blocks = block_tables.shape[1]
@@ -254,7 +282,7 @@ def paged_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     group = H // kv_heads
-    per_split = -(-max_blocks // splits)
+    per_split = -(-max_blocks // splits) * block_size  # tokens, whole blocks per split
     if splits == 1:
         part, m, l = out, out, out  # noqa: E741 (m, l unused without SPLIT)
         part_strides = (out.stride(0), out.stride(1), 0)
@@ -265,7 +293,7 @@ def paged_attention(
         l = torch.empty_like(m)  # noqa: E741
         part_strides = (part.stride(0), part.stride(1), part.stride(2))
         stat_strides = (m.stride(0), m.stride(1))
-    d_p2 = triton.next_power_of_2(D)
+    d_p2 = max(16, triton.next_power_of_2(D))
     _paged_decode_kernel[(B, kv_heads, splits)](
         q,
         k_pool,
@@ -275,7 +303,7 @@ def paged_attention(
         part,
         m,
         l,
-        scale or 1 / math.sqrt(D),
+        (scale or 1 / math.sqrt(D)) * 1.4426950408889634,  # log2(e): the kernel uses exp2
         per_split,
         q.stride(0),
         q.stride(1),
@@ -286,11 +314,14 @@ def paged_attention(
         *part_strides,
         *stat_strides,
         GROUP=group,
-        GROUP_P2=triton.next_power_of_2(group),
+        GROUP_P2=max(16, triton.next_power_of_2(group)),
         D=D,
         D_P2=d_p2,
         BLOCK_SIZE=block_size,
+        TILE=cfg["tile"],
         SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"],
     )
     if splits > 1:
         _merge_splits_kernel[(B, H)](
