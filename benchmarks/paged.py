@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from minillm.cache import BlockManager, OutOfBlocks
+from minillm.cache.block_manager import PagedSequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,6 +131,7 @@ def simulate(
     paged = policy.startswith("paged")
     if paged:
         manager = BlockManager(budget // block_size, block_size, prefix_cache=False)
+        seqs: dict[int, PagedSequence] = {}  # a request's tokens and block table
     else:
         space = FirstFit(budget)
     running: list[Request] = []
@@ -140,9 +142,10 @@ def simulate(
         while queue:  # admit in order while the head fits
             r = queue[-1]
             if paged:
-                ok = manager.can_allocate([0] * r.stored)
+                seqs[r.rid] = PagedSequence([0] * r.stored)
+                ok = manager.can_allocate(seqs[r.rid])
                 if ok:
-                    manager.allocate(r.rid, [0] * r.stored)
+                    manager.allocate(seqs[r.rid])
             else:
                 ok = space.alloc(r.rid, reserve(policy, r))
             if not ok:
@@ -154,7 +157,7 @@ def simulate(
             busy_steps += 1
             running_sum += len(running)
             if paged:
-                alloc = {r.rid: len(manager.block_table(r.rid)) * block_size for r in running}
+                alloc = {r.rid: len(seqs[r.rid].block_table) * block_size for r in running}
             else:
                 alloc = {r.rid: space.regions[r.rid][1] for r in running}
             tokens = sum(r.stored for r in running)
@@ -175,11 +178,14 @@ def simulate(
             if paged:
                 while True:
                     try:
-                        manager.append_slot(r.rid, 0)
+                        seqs[r.rid].token_ids.append(0)
+                        manager.append_slots(seqs[r.rid])
+                        manager.mark_computed(seqs[r.rid], len(seqs[r.rid]))
                         break
                     except OutOfBlocks:  # preempt the newest request (recompute later)
+                        seqs[r.rid].token_ids.pop()
                         victim = running.pop()
-                        manager.free(victim.rid)
+                        manager.free(seqs[victim.rid])
                         victim.done = 0
                         queue.append(victim)
                         preemptions += 1
@@ -190,7 +196,7 @@ def simulate(
             r.done += 1
             if r.done == r.output:
                 running.remove(r)
-                manager.free(r.rid) if paged else space.free(r.rid)
+                manager.free(seqs[r.rid]) if paged else space.free(r.rid)
     n = max(busy_steps, 1)
     return {
         "policy": policy,
@@ -243,7 +249,11 @@ def shared_system_prompt(
     for cache in (False, True):
         need = sum(-(-len(p) // block_size) for p in prompts)
         m = BlockManager(need, block_size, prefix_cache=cache)
-        computed = sum(len(p) - m.allocate(i, p) for i, p in enumerate(prompts))
+        computed = 0
+        for p in prompts:  # one after another: each prefill is done before the next arrives
+            seq = PagedSequence(list(p))
+            computed += len(p) - m.allocate(seq)
+            m.mark_computed(seq, len(p))
         key = "cached" if cache else "plain"
         out[f"{key}_blocks"] = m.num_blocks - m.num_free_blocks
         out[f"{key}_prefill_tokens"] = computed
@@ -262,12 +272,16 @@ def parallel_sampling(
     for p, o in trace:
         lengths = np.clip(rng.lognormal(math.log(o), 0.3, n).round(), 1, MAX_LEN - p).astype(int)
         m = BlockManager(n * (-(-MAX_LEN // block_size) + 1), block_size, prefix_cache=False)
-        m.allocate(0, [0] * p)
-        for j in range(1, n):
-            m.fork(0, j)
-        for j, length in enumerate(lengths):
+        samples = [PagedSequence([0] * p) for _ in range(n)]
+        m.allocate(samples[0])
+        m.mark_computed(samples[0], p)
+        for child in samples[1:]:
+            m.fork(samples[0], child)
+        for seq, length in zip(samples, lengths, strict=True):
             for _ in range(int(length)):
-                m.append_slot(j, 0)
+                seq.token_ids.append(0)
+                m.append_slots(seq)
+                m.mark_computed(seq, len(seq))
         shared += m.num_blocks - m.num_free_blocks
         copies += sum(-(-(p + int(length)) // block_size) for length in lengths)
     return {"n": n, "blocks_shared": shared, "blocks_copies": copies, "saved": 1 - shared / copies}

@@ -47,6 +47,7 @@ from minillm import load_model, load_tokenizer
 from minillm.bench import make_workload
 from minillm.bench.openai_http import run_async
 from minillm.engine import Engine, RequestOutput, SamplingParams
+from minillm.engine.llm_engine import final_only
 from minillm.lab import paired_ratios, time_samples
 from minillm.model import BUNDLED_DIR
 from minillm.training import first_divergence
@@ -67,7 +68,7 @@ def run_engine(model, tokenizer, work, batch: int = 32, static: bool = False, tr
     engine = Engine(model, tokenizer, max_num_seqs=batch, static=static)
     engine.trace = [] if trace else None
     for prompt, n in work:
-        engine.add_request(prompt, greedy(n))
+        engine.add_request(prompt, final_only(greedy(n)))  # no per-step copies of the outputs
     return engine.run_to_completion(), engine
 
 
@@ -113,7 +114,7 @@ def vllm_compare(
 
 def slot_utilisation(engine: Engine, batch: int) -> float:
     """Mean running sequences per decode step over the batch size (needs engine.trace)."""
-    decodes = [len(ids) for _, prefill, ids, _ in engine.trace if not prefill]
+    decodes = [len(r.decode_ids) for r in engine.trace if not r.prefill_tokens]
     return sum(decodes) / (len(decodes) * batch)
 
 
@@ -221,8 +222,8 @@ def offline(model, tokenizer, work, batch: int = 32, repeats: int = 3, hf=None) 
         "speedup_vs_static": ratios["static"],
         "steps": {"continuous": cont_engine.num_steps, "static": static_engine.num_steps},
         "prefill_steps": {
-            "continuous": sum(p for _, p, *_ in cont_engine.trace),
-            "static": sum(p for _, p, *_ in static_engine.trace),
+            "continuous": sum(bool(r.prefill_tokens) for r in cont_engine.trace),
+            "static": sum(bool(r.prefill_tokens) for r in static_engine.trace),
         },
         "utilisation": {
             "continuous": slot_utilisation(cont_engine, batch),

@@ -16,6 +16,7 @@ The package is layered; each folder imports only from the ones listed before it:
 `tests/test_layers.py` checks that order.
 """
 
+from minillm.engine import LLM
 from minillm.generation import SamplingParams, generate, generate_naive
 from minillm.model import (
     BUNDLED_DIR,
@@ -29,6 +30,7 @@ from minillm.model import (
 )
 
 __all__ = [
+    "LLM",
     "BUNDLED_DIR",
     "BUNDLED_DRAFT_DIR",
     "ModelConfig",

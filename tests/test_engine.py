@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from minillm import SamplingParams as BaseParams
 from minillm import generate, load_tokenizer
 from minillm.engine import LLM, Engine, SamplingParams
-from minillm.engine.llm_engine import stop_text_holdback
+from minillm.engine.detokenizer import stop_text_holdback
 from minillm.kernels import triton_status
 
 
@@ -33,8 +33,9 @@ def run(engine, prompts, params):
 
 
 def leaked(engine) -> bool:
-    m = engine.manager
-    return m.num_free_blocks != m.num_blocks or any(b.ref_count for b in m.blocks) or m.tables
+    m, s = engine.manager, engine.scheduler
+    held = any(b.ref_count for b in m.blocks) or s.running or s.waiting or s.swapped
+    return m.num_free_blocks != m.num_blocks or bool(held) or engine.requests
 
 
 @pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1])
@@ -77,7 +78,7 @@ def test_static_batch_waits_for_its_longest_request(model, tok, workload):
     for p, n in zip(workload, lengths, strict=True):
         engine.add_request(p, greedy(n))
     engine.run_to_completion()
-    prefills = [step for step, is_prefill, *_ in engine.trace if is_prefill]
+    prefills = [r.step for r in engine.trace if r.prefill_tokens]
     # batch 1 (lengths 3, 20, 5, 7) runs 20 steps; then batch 2 is admitted.
     assert prefills == [0, 20]
     continuous = Engine(model, tok, max_num_seqs=4)
@@ -85,15 +86,19 @@ def test_static_batch_waits_for_its_longest_request(model, tok, workload):
     assert run_steps == len(workload) and continuous.num_steps < engine.num_steps
 
 
-def test_prompts_sharing_blocks_in_one_prefill_batch(model, tok, prompts):
-    """Two equal prompts admitted in the same step: the second reuses the first's blocks
-    (prefix cache) while both are being prefilled."""
+def test_prefix_cache_hits_only_blocks_already_computed(model, tok, prompts):
+    """Two equal prompts admitted in the same step each compute their blocks (a block is
+    published once its K/V are written, after the forward); a third arriving a step later
+    finds both full blocks cached and skips their prefill."""
     p = prompts[1] * 4  # 36 tokens: 2 full blocks of 16
     engine = Engine(model, tok)
-    outs = run(engine, [p, p, p + prompts[0]], greedy(10))
-    assert outs[1].num_cached_tokens == 32
+    first = [engine.add_request(x, greedy(10)) for x in (p, p)]
+    engine.step()
+    later = engine.add_request(p + prompts[0], greedy(10))
+    outs = {o.request_id: o for o in engine.run_to_completion()}
+    assert [outs[r].num_cached_tokens for r in (*first, later)] == [0, 0, 32]
     ref = generate(model, [p, p + prompts[0]], greedy(10))
-    assert [o.outputs[0].token_ids for o in outs] == [ref[0], ref[0], ref[1]]
+    assert [outs[r].outputs[0].token_ids for r in (*first, later)] == [ref[0], ref[0], ref[1]]
 
 
 def test_abort_frees_blocks_at_once(model, tok, workload):
@@ -104,7 +109,7 @@ def test_abort_frees_blocks_at_once(model, tok, workload):
     for _ in range(3):
         engine.step()
     assert engine.num_running == 2 and engine.num_blocks_used > 0
-    used_by_first = len(engine.manager.block_table(engine.requests[ids[0]].seqs[0].seq_id))
+    used_by_first = len(engine.requests[ids[0]].seqs[0].block_table)
     before = engine.num_blocks_used
     engine.abort(ids[0])  # running
     assert engine.num_blocks_used == before - used_by_first
@@ -121,7 +126,7 @@ def test_n_samples_share_the_prompt_blocks(model, tok, prompts):
     engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, n=3, ignore_eos=True))
     engine.step()  # prefill the parent, fork two children
     seqs = engine.requests["0"].seqs
-    tables = [engine.manager.block_table(s.seq_id) for s in seqs]
+    tables = [s.block_table for s in seqs]
     assert len(seqs) == 3 and tables[0] == tables[1] == tables[2]
     assert engine.num_blocks_used == 2  # one prompt's blocks for three samples
     outs = engine.run_to_completion()

@@ -142,71 +142,77 @@ def test_flash_prefill_rejects_bad_tiles():
         flash_prefill(q, q, q, block_m=8)
 
 
+def _prefilled(model, prompts, use_kernel=False):
+    """A paged cache holding the prompts' K/V, written by the model in one forward (all
+    prompts as chunks of one row), and their sequences' block tables."""
+    from minillm.cache import BlockManager, PagedKVCache
+    from minillm.cache.block_manager import PagedSequence
+
+    m = BlockManager(16, 4)
+    cache = PagedKVCache(model.config, 16, 4, device=DEVICE, use_kernel=use_kernel)
+    seqs = [PagedSequence(list(p)) for p in prompts]
+    for s in seqs:
+        m.allocate(s)
+    cache.plan(decode=[], prefill=[(s.block_table, 0, len(s)) for s in seqs])
+    ids = torch.tensor([[t for p in prompts for t in p]], device=DEVICE)
+    pos = torch.tensor([[i for p in prompts for i in range(len(p))]], device=DEVICE)
+    with torch.inference_mode():
+        model.to(DEVICE)(ids, pos, cache=cache)
+    return m, cache, seqs
+
+
 def test_paged_decode_on_the_models_cache(model, prompts):
     """The Triton kernel reads a PagedKVCache filled by the model exactly as the
     reference gather does."""
-    from minillm.cache import BlockManager, PagedKVCache
     from minillm.kernels.paged_attention import paged_attention, paged_attention_ref
 
-    cfg, m = model.config, BlockManager(12, 4)
-    cache = PagedKVCache(cfg, 12, 4)
-    for i, p in enumerate(prompts):
-        m.allocate(i, p)
-    cache.set_tables([m.block_table(i) for i in range(len(prompts))])
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-    with torch.inference_mode():
-        model(ids, cache=cache)
-    tables, lens = cache.tables, torch.tensor([len(p) for p in prompts])
+    cfg = model.config
+    _, cache, seqs = _prefilled(model, prompts)
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs])
+    lens = torch.tensor([len(p) for p in prompts])
     q = torch.randn(len(prompts), cfg.num_attention_heads, cfg.head_dim)
-    ref = paged_attention_ref(q, cache.k[1], cache.v[1], tables, lens)
-    torch.testing.assert_close(
-        paged_attention(
-            q.to(DEVICE),
-            cache.k[1].to(DEVICE),
-            cache.v[1].to(DEVICE),
-            tables.to(DEVICE),
-            lens.to(DEVICE),
-        ).cpu(),
-        ref,
-        atol=ATOL,
-        rtol=0,
+    k_pool, v_pool = cache.k[1].cpu(), cache.v[1].cpu()
+    ref = paged_attention_ref(q, k_pool, v_pool, tables, lens)
+    got = paged_attention(*(x.to(DEVICE) for x in (q, k_pool, v_pool, tables, lens)))
+    torch.testing.assert_close(got.cpu(), ref, atol=ATOL, rtol=0)
+
+
+def test_a_mixed_step_attends_the_same_with_the_kernel_or_a_gather(model, prompts):
+    """One step of decode rows (through the Triton kernel, or gathered for SDPA) and a
+    prompt chunk, in one row: the two caches' attention outputs agree, and both equal SDPA
+    over each sequence's own cached keys."""
+    cfg = model.config
+    _, plain, seqs = _prefilled(model, prompts[:2], use_kernel=False)
+    m, kernel, _ = _prefilled(model, prompts[:2], use_kernel=True)
+    for s in seqs:
+        s.token_ids.append(7)  # one decode token each
+        m.append_slots(s)
+    chunk_seq = seqs[0].__class__(list(prompts[2]) * 3)
+    m.allocate(chunk_seq)
+    plan = dict(
+        decode=[(s.block_table, len(s)) for s in seqs],
+        prefill=[(chunk_seq.block_table, 0, len(chunk_seq))],
     )
-
-
-def test_paged_cache_attention_hook_matches_sdpa_over_the_cache(model, prompts):
-    """PagedKVCache.attention (the proposed model hook): a decode step through the Triton
-    kernel equals update + SDPA with the causal mask (the path the model takes today)."""
-    from minillm.cache import BlockManager, PagedKVCache
-
-    cfg, m = model.config, BlockManager(12, 4)
-    caches = [PagedKVCache(cfg, 12, 4, device=DEVICE) for _ in range(2)]
-    seqs = [p + [7] for p in prompts]  # each prompt plus one decode token
-    for i, p in enumerate(prompts):
-        m.allocate(i, p)
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=DEVICE)
-    for c in caches:
-        c.set_tables([m.block_table(i) for i in range(len(prompts))])
-        with torch.inference_mode():
-            model.to(DEVICE)(ids, cache=c)
-    for i, s in enumerate(seqs):
-        m.append_slot(i, s[-1])
+    n = len(seqs) + len(chunk_seq)
     g = torch.Generator().manual_seed(1)
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = torch.randn(len(seqs), H, 1, D, generator=g).to(DEVICE)
-    k = torch.randn(len(seqs), KV, 1, D, generator=g).to(DEVICE)
-    v = torch.randn(len(seqs), KV, 1, D, generator=g).to(DEVICE)
-    pos = torch.tensor([[len(p)] for p in prompts], device=DEVICE)
+    q = torch.randn(1, H, n, D, generator=g).to(DEVICE)
+    k = torch.randn(1, KV, n, D, generator=g).to(DEVICE)
+    v = torch.randn(1, KV, n, D, generator=g).to(DEVICE)
+    pos = torch.tensor([[len(s) - 1 for s in seqs] + list(range(len(chunk_seq)))], device=DEVICE)
     outs = []
-    for c in caches:
-        c.set_tables([m.block_table(i) for i in range(len(seqs))])
-    k_all, v_all = caches[0].update(2, k, v, pos)
-    mask = caches[0].causal_mask(pos)
-    outs.append(F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True))
-    outs.append(caches[1].attention(2, q, k, v, pos))
+    for cache in (plain, kernel):
+        cache.plan(**plan)
+        outs.append(cache.attention(2, q, k, v, pos))
     torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(caches[1].k, caches[0].k)  # the same slots were written
+    # decode row 0 by hand: SDPA over its prompt's keys (layer 2) and its new key
+    keys = plain.k[2].flatten(0, 1)[[m.slot(seqs[0], t) for t in range(len(seqs[0]))]]
+    vals = plain.v[2].flatten(0, 1)[[m.slot(seqs[0], t) for t in range(len(seqs[0]))]]
+    want = F.scaled_dot_product_attention(
+        q[:, :, :1], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], enable_gqa=True
+    )
+    torch.testing.assert_close(outs[0][:, :, :1], want, atol=ATOL, rtol=0)
 
 
 def test_model_with_the_paged_kernel_gives_the_contiguous_caches_greedy_tokens(model, prompts):

@@ -209,7 +209,12 @@ class EngineBackend(Backend):
         while pending or running:
             while pending and len(running) < concurrency:
                 i, req = pending.pop(0)
-                params = SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
+                params = SamplingParams(
+                    temperature=0,
+                    max_tokens=req.max_tokens,
+                    ignore_eos=True,
+                    output_kind="final_only",  # the metrics carry the token times
+                )
                 running[engine.add_request(req.prompt_ids, params)] = i
             for out in engine.step():
                 if out.finished:

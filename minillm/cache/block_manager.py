@@ -14,12 +14,18 @@ Blocks carry reference counts, so several tables can point at one block:
 - **prefix cache**: a full block is named by a hash of its tokens chained with the hash
   of the block before it, so equal hashes mean equal prefixes (checked by comparing
   tokens). A new prompt whose first blocks are already in the pool reuses them and skips
-  their prefill. A cached block nobody uses stays in the pool until memory is needed,
-  then the least recently used one is evicted.
+  their prefill. A block joins the cache only once its K/V are written (`mark_computed`):
+  a prompt prefilled in chunks must not be "found" before its blocks hold anything. A
+  cached block nobody uses stays in the pool until memory is needed, then the least
+  recently used one is evicted.
+- **swap** (preemption): a sequence's blocks can be copied to a second, CPU pool and their
+  device blocks released, then copied back into fresh blocks when it resumes.
 
-`BlockManager` is pure Python (block ids, no tensors); `minillm.cache.paged.PagedKVCache`
-holds the tensors. When the pool is exhausted the manager raises `OutOfBlocks` and changes
-nothing: a scheduler catches it and preempts a sequence.
+The manager keeps no per-sequence state: a sequence (`PagedSequence`, which the engine's
+`Sequence` extends) owns its tokens, its block table and its counts, and the manager reads
+and updates them. It is pure Python (block ids, no tensors); `minillm.cache.paged.
+PagedKVCache` holds the tensors. When the pool is exhausted it raises `OutOfBlocks` and
+changes nothing: a scheduler catches it and preempts a sequence.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def block_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
 
 @dataclass
 class Block:
-    """One physical block: who uses it and, once full, which tokens it holds."""
+    """One physical block: who uses it and, once full and written, which tokens it holds."""
 
     id: int
     ref_count: int = 0
@@ -50,18 +56,24 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to verify a hit
 
 
-@dataclass
-class SeqBlocks:
-    """A sequence's block table and the tokens whose K/V it stores (or is about to)."""
+@dataclass(eq=False)
+class PagedSequence:
+    """A sequence as the block manager sees it: every token whose K/V it needs (prompt and
+    output) and where those K/V live. The sequence owns this; the manager updates it."""
 
-    block_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # chained hash of each full block
-    num_cached: int = 0  # prompt tokens found in the prefix cache (their prefill is skipped)
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)  # physical block per logical block
+    block_hashes: list[int] = field(default_factory=list)  # chained hash per computed full block
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    swapped: bool = False  # True: block_table holds CPU swap blocks
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
 class BlockManager:
-    """Allocate, share and free fixed-size KV blocks for many sequences (ids are ints)."""
+    """Allocate, share, publish, swap and free fixed-size KV blocks for many sequences."""
 
     def __init__(
         self,
@@ -69,6 +81,7 @@ class BlockManager:
         block_size: int = 16,
         prefix_cache: bool = True,
         hash_fn: Callable[[int | None, Sequence[int]], int] = block_hash,
+        num_swap_blocks: int = 0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -79,7 +92,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))  # unused, holding nothing cached
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unused but cached, LRU first
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.tables: dict[int, SeqBlocks] = {}
+        self.free_swap_ids: deque[int] = deque(range(num_swap_blocks))  # CPU swap blocks
 
     # ------------------------------------------------------------------ queries
     @property
@@ -91,23 +104,12 @@ class BlockManager:
         """Blocks an allocation can take: never used, or cached but unreferenced."""
         return len(self.free_ids) + len(self.evictable)
 
-    def block_table(self, seq_id: int) -> list[int]:
-        return list(self._seq(seq_id).block_ids)
-
-    def num_tokens(self, seq_id: int) -> int:
-        return len(self._seq(seq_id).token_ids)
-
-    def slot(self, seq_id: int, position: int) -> int:
+    def slot(self, seq: PagedSequence, position: int) -> int:
         """Flat slot index (block id * block_size + offset) of a token position."""
-        blocks = self._seq(seq_id).block_ids
-        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+        block = seq.block_table[position // self.block_size]
+        return block * self.block_size + position % self.block_size
 
-    def _seq(self, seq_id: int) -> SeqBlocks:
-        if seq_id not in self.tables:
-            raise KeyError(f"sequence {seq_id} has no blocks: allocate() it first")
-        return self.tables[seq_id]
-
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
@@ -125,20 +127,26 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        """Whether allocate(token_ids) would succeed now."""
-        hits = self._prefix_hits(token_ids)
+    def can_allocate(self, seq: PagedSequence) -> bool:
+        """Whether allocate(seq) would succeed now."""
+        hits = self._prefix_hits(seq.token_ids)
         revived = sum(b in self.evictable for b in hits)  # reused, so no longer evictable
-        need = self._blocks_for(len(token_ids)) - len(hits)
+        need = self.blocks_for(len(seq)) - len(hits)
         return need <= self.num_free_blocks - revived
 
-    def can_append(self, seq_id: int) -> bool:
-        """Whether append_slot(seq_id, ...) would succeed now."""
-        seq = self._seq(seq_id)
-        n = len(seq.token_ids)
-        if n % self.block_size == 0:  # the table is full: the next token opens a block
-            return self.num_free_blocks >= 1
-        return self.blocks[seq.block_ids[-1]].ref_count == 1 or self.num_free_blocks >= 1
+    def can_append(self, seq: PagedSequence) -> bool:
+        """Whether append_slots(seq) would succeed now."""
+        return self._append_need(seq) <= self.num_free_blocks
+
+    def _append_need(self, seq: PagedSequence) -> int:
+        """New blocks append_slots needs: to cover every token, plus a private copy of a
+        shared last block that still has room (the next token would be written into it)."""
+        covered = len(seq.block_table) * self.block_size
+        new = self.blocks_for(len(seq)) - len(seq.block_table)
+        first_write = seq.num_computed_tokens
+        last = self.blocks[seq.block_table[-1]] if seq.block_table else None
+        shared_tail = last is not None and last.ref_count > 1 and first_write < covered
+        return new + shared_tail
 
     # ------------------------------------------------------------------ changes
     def _take_block(self) -> Block:
@@ -154,87 +162,125 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def _block_full(self, seq: SeqBlocks, index: int) -> None:
-        """The table's block `index` just filled: hash it and put it in the prefix cache
-        (if an equal block is cached already, the first one stays the cached one)."""
-        bs = self.block_size
-        chunk = tuple(seq.token_ids[index * bs : (index + 1) * bs])
-        seq.hashes.append(self.hash_fn(seq.hashes[-1] if index else None, chunk))
-        block = self.blocks[seq.block_ids[index]]
-        if self.prefix_cache and block.hash is None and seq.hashes[-1] not in self.cached:
-            self.cached[seq.hashes[-1]] = block.id
-            block.hash, block.token_ids = seq.hashes[-1], chunk
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unused block becomes free, or evictable if cached."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Give a new sequence blocks for its prompt, reusing cached prefix blocks. Returns
-        how many leading prompt tokens are already cached (a multiple of block_size).
-        Raises OutOfBlocks, changing nothing, when the pool cannot hold the prompt."""
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id} already has blocks: free() it first")
-        if len(token_ids) == 0:
+    def allocate(self, seq: PagedSequence) -> int:
+        """Give a new sequence blocks for all its tokens, reusing cached prefix blocks.
+        Returns how many leading tokens are already cached (a multiple of block_size; their
+        prefill is skipped). Raises OutOfBlocks, changing nothing, when the pool is short."""
+        if seq.block_table:
+            raise ValueError("the sequence already has blocks: free() it first")
+        if len(seq) == 0:
             raise ValueError("empty prompt: give at least one token")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(seq):
             raise OutOfBlocks(
-                f"prompt of {len(token_ids)} tokens needs {self._blocks_for(len(token_ids))} "
-                f"blocks of {self.block_size}; {self.num_free_blocks} free"
+                f"{len(seq)} tokens need {self.blocks_for(len(seq))} blocks of "
+                f"{self.block_size}; {self.num_free_blocks} free"
             )
-        seq = SeqBlocks(token_ids=list(token_ids))
-        for block_id in self._prefix_hits(token_ids):
+        seq.block_hashes = []
+        for block_id in self._prefix_hits(seq.token_ids):
             self.evictable.pop(block_id, None)
-            self.blocks[block_id].ref_count += 1
-            seq.block_ids.append(block_id)
-        seq.num_cached = len(seq.block_ids) * self.block_size
-        while len(seq.block_ids) < self._blocks_for(len(token_ids)):
-            seq.block_ids.append(self._take_block().id)
-        self.tables[seq_id] = seq
-        for i in range(len(token_ids) // self.block_size):  # full blocks join the cache
-            self._block_full(seq, i)
-        return seq.num_cached
-
-    def append_slot(self, seq_id: int, token_id: int) -> tuple[int, tuple[int, int] | None]:
-        """Reserve the slot for the sequence's next token. Returns (slot, copy): `copy` is
-        (src, dst) block ids whose K/V the cache must copy first when the last block was
-        shared (copy-on-write), else None. Raises OutOfBlocks, changing nothing."""
-        seq = self._seq(seq_id)
-        if not self.can_append(seq_id):
-            raise OutOfBlocks(f"sequence {seq_id} needs a new block; none is free")
-        n, copy = len(seq.token_ids), None
-        if n % self.block_size == 0:
-            seq.block_ids.append(self._take_block().id)
-        else:
-            last = self.blocks[seq.block_ids[-1]]
-            if last.ref_count > 1:  # shared with a fork: write into a private copy
-                last.ref_count -= 1
-                new = self._take_block()
-                seq.block_ids[-1] = new.id
-                copy = (last.id, new.id)
-        seq.token_ids.append(token_id)
-        if (n + 1) % self.block_size == 0:
-            self._block_full(seq, n // self.block_size)
-        return self.slot(seq_id, n), copy
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Give `child_id` the parent's blocks (shared, ref counts + 1) and tokens."""
-        if child_id in self.tables:
-            raise ValueError(f"sequence {child_id} already has blocks: free() it first")
-        parent = self._seq(parent_id)
-        for block_id in parent.block_ids:
-            self.blocks[block_id].ref_count += 1
-        self.tables[child_id] = SeqBlocks(
-            list(parent.block_ids), list(parent.token_ids), list(parent.hashes), parent.num_cached
-        )
-
-    def free(self, seq_id: int) -> None:
-        """Drop a sequence's references. A block nobody uses any more becomes free, or
-        evictable if cached (tail blocks first in LRU order: they are the least shareable)."""
-        seq = self.tables.pop(seq_id, None)
-        if seq is None:
-            raise KeyError(f"sequence {seq_id} has no blocks (freed twice?)")
-        for block_id in reversed(seq.block_ids):
             block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_ids.append(block_id)
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        while len(seq.block_table) < self.blocks_for(len(seq)):
+            seq.block_table.append(self._take_block().id)
+        return seq.num_cached_tokens
+
+    def append_slots(self, seq: PagedSequence) -> list[tuple[int, int]]:
+        """Make the table cover every token of the sequence (the ones appended since its
+        last step included). Returns the (src, dst) block copies the cache must make first:
+        a shared last block with room left is replaced by a private copy (copy-on-write).
+        Raises OutOfBlocks, changing nothing."""
+        if not self.can_append(seq):
+            raise OutOfBlocks(f"the sequence needs {self._append_need(seq)} new blocks")
+        copies = []
+        covered = len(seq.block_table) * self.block_size
+        last = self.blocks[seq.block_table[-1]] if seq.block_table else None
+        if last is not None and last.ref_count > 1 and seq.num_computed_tokens < covered:
+            last.ref_count -= 1  # shared with a fork, and about to be written: copy it
+            new = self._take_block()
+            seq.block_table[-1] = new.id
+            copies.append((last.id, new.id))
+        while len(seq.block_table) < self.blocks_for(len(seq)):
+            seq.block_table.append(self._take_block().id)
+        return copies
+
+    def mark_computed(self, seq: PagedSequence, num_tokens: int) -> None:
+        """The K/V of the sequence's first `num_tokens` tokens are now written: publish the
+        full blocks among them to the prefix cache (if an equal block is cached already,
+        the first one stays the cached one)."""
+        seq.num_computed_tokens = num_tokens
+        bs = self.block_size
+        for index in range(len(seq.block_hashes), num_tokens // bs):
+            chunk = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            prev = seq.block_hashes[-1] if index else None
+            seq.block_hashes.append(self.hash_fn(prev, chunk))
+            block = self.blocks[seq.block_table[index]]
+            h = seq.block_hashes[-1]
+            if self.prefix_cache and block.hash is None and h not in self.cached:
+                self.cached[h] = block.id
+                block.hash, block.token_ids = h, chunk
+
+    def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
+        """Give `child` (with the parent's tokens) the parent's blocks, shared (ref + 1)."""
+        if child.block_table:
+            raise ValueError("the child already has blocks: free() it first")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: PagedSequence) -> None:
+        """Drop the sequence's references (tail blocks first in LRU order: they are the
+        least shareable) and forget where its K/V were: nothing of it is computed now."""
+        if seq.swapped:
+            self.free_swap_ids.extend(seq.block_table)
+        else:
+            for block_id in reversed(seq.block_table):
+                self._release(block_id)
+        seq.block_table, seq.block_hashes, seq.swapped = [], [], False
+        seq.num_computed_tokens = 0  # (num_cached_tokens stays: what its admission found)
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, seq: PagedSequence) -> bool:
+        return len(seq.block_table) <= len(self.free_swap_ids)
+
+    def swap_out(self, seq: PagedSequence) -> list[tuple[int, int]]:
+        """Move the sequence to the CPU pool: returns (device block, swap block) copies to
+        make, after which its device blocks are released (shared ones stay with their
+        other holders). Raises OutOfBlocks when the swap space is full."""
+        if not self.can_swap_out(seq):
+            raise OutOfBlocks(f"swap space full: {len(self.free_swap_ids)} CPU blocks free")
+        pairs = [(b, self.free_swap_ids.popleft()) for b in seq.block_table]
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table, seq.swapped = [dst for _, dst in pairs], True
+        return pairs
+
+    def can_swap_in(self, seq: PagedSequence) -> bool:
+        return len(seq.block_table) <= self.num_free_blocks
+
+    def swap_in(self, seq: PagedSequence) -> list[tuple[int, int]]:
+        """Back into fresh device blocks: returns (swap block, device block) copies to
+        make; the swap blocks are free again. Raises OutOfBlocks, changing nothing."""
+        if not self.can_swap_in(seq):
+            raise OutOfBlocks(f"{len(seq.block_table)} blocks needed to swap in")
+        pairs = [(b, self._take_block().id) for b in seq.block_table]
+        self.free_swap_ids.extend(seq.block_table)
+        seq.block_table, seq.swapped = [dst for _, dst in pairs], False
+        computed, seq.block_hashes = seq.num_computed_tokens, []
+        self.mark_computed(seq, computed)  # the fresh blocks may rejoin the prefix cache
+        return pairs

@@ -2,7 +2,7 @@
 
 Code written for vLLM's basic usage runs by changing the import:
 
-    from minillm.engine import LLM, SamplingParams
+    from minillm import LLM, SamplingParams
     llm = LLM()  # the bundled model; or LLM(model="path/or/hub-id")
     for out in llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20)):
         print(out.prompt, out.outputs[0].text, out.outputs[0].finish_reason)
@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from minillm.engine.llm_engine import Engine, RequestOutput
-from minillm.generation.sampling import SamplingParams as BaseSamplingParams
+from minillm.engine.llm_engine import Engine, final_only
+from minillm.engine.outputs import RequestOutput
+from minillm.generation.sampling import SamplingParams
 from minillm.model.weights import load_model, load_tokenizer
 
 Prompt = str | list[int] | dict
@@ -50,7 +51,7 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: BaseSamplingParams | Sequence[BaseSamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is a string, a
@@ -60,7 +61,7 @@ class LLM:
         ):
             prompts = [prompts]
         params = sampling_params
-        if params is None or isinstance(params, BaseSamplingParams):
+        if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(
@@ -70,7 +71,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(_unwrap(prompt), sp))
+                ids.append(self.engine.add_request(_unwrap(prompt), final_only(sp)))
         except ValueError:  # one bad prompt: queue none of them
             for request_id in ids:
                 self.engine.abort(request_id)

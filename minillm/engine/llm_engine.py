@@ -1,10 +1,13 @@
-"""The engine: requests in, tokens out, one scheduled forward per `step()`.
+"""The engine: requests in, tokens out. One `step()` runs one way, as nano-vLLM's does:
 
-`add_request` turns a prompt into sequences (n samples share the prompt's blocks by
-forking after its prefill), `step` runs what the scheduler picked, samples, detokenizes,
-applies stop conditions and retires finished sequences (their blocks return at once),
-and `abort` retires a request's sequences wherever they are. Outputs are vLLM-shaped
-`RequestOutput`s; a per-request callback sees each one as it is produced (streaming).
+    schedule  -> which tokens of which sequences (decodes, prompt chunks, admissions)
+    run       -> one forward, sampling inside: token ids out
+    postprocess -> append, detokenize, stop, finish (blocks back to the pool at once)
+    emit      -> a vLLM-shaped RequestOutput per request that moved
+
+`add_request` turns a prompt into a sequence (its n - 1 siblings are forked from it when its
+prompt is done, sharing its blocks); `abort` retires a request wherever its sequences are.
+Each sequence is the one owner of its tokens and blocks; the engine owns the requests.
 """
 
 from __future__ import annotations
@@ -12,84 +15,49 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from minillm.cache.block_manager import BlockManager
+from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.model_runner import ModelRunner
-from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import SamplingParams, Sequence, as_engine_params
-from minillm.generation.loop import check_length, stop_ids
-from minillm.generation.sampling import SamplingParams as BaseSamplingParams
+from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minillm.engine.scheduler import Batch, Scheduler
+from minillm.engine.sequence import Sequence
+from minillm.generation.loop import check_length, finish_reason, stop_ids
+from minillm.generation.sampling import SamplingParams
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.transformer import Transformer
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request (vLLM's names)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    """Wall times (time.perf_counter) for the serving metrics: TTFT, ITL, E2E."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # of sample 0
-
-
-@dataclass
-class RequestOutput:
-    """A snapshot of a request: prompt, its samples so far, finished or not."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
 
 
 @dataclass(eq=False)
 class Request:
     request_id: str
     prompt: str | None
-    prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
     on_output: Callable[[RequestOutput], None] | None = None
+    sent: list[int] = field(default_factory=list)  # token ids already emitted, per sample
 
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
-def stop_text_holdback(text: str, stops: list[str]) -> int:
-    """How many trailing characters of `text` could be the start of a stop string (so a
-    stream must not send them yet): the longest suffix that is a proper prefix of one."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+@dataclass
+class StepRecord:
+    """What one step did (engine.trace, for timelines and utilisation)."""
+
+    step: int
+    start: float
+    end: float
+    decode_ids: list[str]  # requests that generated a token from a one-token row
+    prefill_tokens: dict[str, int]  # request -> prompt tokens computed in this step
+    preempted: list[str]
 
 
 class Engine:
-    """Continuous batching (or the static-batching baseline) over a paged KV cache."""
+    """Continuous batching over a paged KV cache, chunked prefill by default."""
 
     def __init__(
         self,
@@ -102,63 +70,71 @@ class Engine:
         prefix_cache: bool = True,
         static: bool = False,
         use_kernel: bool | None = None,
+        chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
+        num_swap_blocks: int | None = None,
     ) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
-        if (
-            use_kernel is None
-        ):  # decode attention: Triton paged kernel on a GPU, PyTorch gather on CPU
+        if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
             use_kernel = model.lm_head.weight.is_cuda
         self.context = model.config.max_position_embeddings
         if num_blocks is None:  # every running sequence can reach the full context
             num_blocks = max_num_seqs * -(-self.context // block_size)
-        self.manager = BlockManager(num_blocks, block_size, prefix_cache)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, static)
-        self.runner = ModelRunner(model, self.manager, use_kernel)
+        if num_swap_blocks is None:  # swap space: as large as the device pool, when swapping
+            num_swap_blocks = num_blocks if preemption_mode == "swap" else 0
+        self.manager = BlockManager(
+            num_blocks, block_size, prefix_cache, num_swap_blocks=num_swap_blocks
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            max_num_seqs,
+            max_num_batched_tokens,
+            chunked_prefill,
+            static,
+            preemption_mode,
+        )
+        self.runner = ModelRunner(model, self.manager, use_kernel, num_swap_blocks)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_steps = self.num_prompt_tokens = self.num_generated_tokens = 0
         self.num_aborted = self.num_finished = 0
-        # Set to [] to record (step, is_prefill, request ids run, request ids preempted).
-        self.trace: list[tuple[int, bool, list[str], list[str]]] | None = None
+        self.time_in = {"schedule": 0.0, "run": 0.0, "postprocess": 0.0}  # seconds, cumulative
+        self.trace: list[StepRecord] | None = None  # set to [] to record every step
 
     # ------------------------------------------------------------------ requests
     def add_request(
         self,
         prompt: str | list[int],
-        params: BaseSamplingParams | None = None,
+        params: SamplingParams | None = None,
         request_id: str | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         arrival_time: float | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Raises ValueError, queuing nothing, if it
         can never run: empty, longer than the context, or more blocks than the pool has."""
-        params = as_engine_params(params)
+        params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = Sequence(ids, params, request_id, index=0)
+        seq = Sequence(ids, params=params, request_id=request_id)
         metrics = RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time)
-        self.requests[request_id] = Request(
-            request_id, text, ids, params, [parent], metrics, on_output
-        )
-        self.scheduler.add(parent)
+        self.requests[request_id] = Request(request_id, text, params, [seq], metrics, on_output)
+        self.scheduler.add(seq)
         return request_id
 
-    def check_request(self, prompt_ids: list[int], params: BaseSamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the fix if this request could never run here: empty,
         past the context, n above max_num_seqs, or more KV blocks than the pool has."""
-        n = getattr(params, "n", 1)
         check_length(self.model, len(prompt_ids), params.max_tokens)
-        if n > self.scheduler.max_num_seqs:
+        if params.n > self.scheduler.max_num_seqs:
             raise ValueError(
-                f"n={n} exceeds max_num_seqs={self.scheduler.max_num_seqs}: "
+                f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}: "
                 "lower n or start the engine with more sequences"
             )
-        bs = self.manager.block_size
-        need = -(-(len(prompt_ids) + params.max_tokens) // bs)
+        need = self.manager.blocks_for(len(prompt_ids) + params.max_tokens)
         if need > self.manager.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens needs {need} KV blocks but the pool has "
@@ -175,101 +151,99 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self.num_aborted += 1
-        return self._emit(request, finished=True)
+        return self._emit(request, force=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; the outputs of the requests that moved."""
+        """Schedule, run, postprocess, emit: the outputs of the requests that moved."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        seqs = batch.seqs
-        if batch.seqs:
-            logits = self.runner.run(batch)
-            rows = list(range(len(seqs)))
-            if batch.is_prefill:  # n > 1: children fork from the prompt's blocks now
-                self.num_prompt_tokens += batch.num_tokens
-                for i, parent in enumerate(list(seqs)):
-                    if parent.params.n > 1 and not parent.children and not parent.output_ids:
-                        for j in range(1, parent.params.n):
-                            child = parent.fork(j)
-                            parent.children.append(child)
-                            self.requests[parent.request_id].seqs.append(child)
-                            self.scheduler.fork(parent, child)
-                            seqs.append(child)
-                            rows.append(i)
-            tokens = self.runner.sample(logits[rows], seqs)
-        else:
-            tokens = []
+        t1 = time.perf_counter()
+        tokens = self.runner.run(batch) if batch.items else []
+        t2 = time.perf_counter()
+        moved = self.scheduler.postprocess(batch, tokens, self._stop)
+        self.num_prompt_tokens += batch.num_prefill_tokens
+        self.num_generated_tokens += len(tokens)
         if self.trace is not None:
-            preempted = [s.request_id for s in batch.preempted]
-            self.trace.append(
-                (self.num_steps, batch.is_prefill, [s.request_id for s in seqs], preempted)
-            )
+            self.trace.append(self._record(batch, t1, t2))
         self.num_steps += 1
-        touched: dict[str, Request] = {}
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, token)
-            touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = []
-        for request in touched.values():
-            if request.finished:
-                request.metrics.finished_time = time.perf_counter()
-                del self.requests[request.request_id]
-                self.num_finished += 1
-            outputs.append(self._emit(request, request.finished))
-        return outputs
+        outputs = [self._emit(r) for r in dict.fromkeys(self.requests[s.request_id] for s in moved)]
+        t3 = time.perf_counter()
+        for name, dt in (("schedule", t1 - t0), ("run", t2 - t1), ("postprocess", t3 - t2)):
+            self.time_in[name] += dt
+        return [out for out in outputs if out is not None]
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        """Record a sampled token; finish the sequence on a stop token/string or length."""
-        seq.append(token)
-        self.num_generated_tokens += 1
-        metrics = self.requests[seq.request_id].metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = seq.token_times[-1]
+    def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        """After `token` was appended: detokenize it, and say whether the sequence ends
+        (stop token, stop string on the new text, or length)."""
+        request = self.requests[seq.request_id]
+        if seq not in request.seqs:  # a child forked this step
+            request.seqs.append(seq)
+        if seq.detokenizer is None:
+            seq.detokenizer = Detokenizer(self.tokenizer, seq.params)
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or seq.token_times[-1]
         if seq.index == 0:
             metrics.token_times.append(seq.token_times[-1])
-        params, reason = seq.params, None
-        seq.text = self.tokenizer.decode(seq.output_ids)
-        if token in stop_ids(self.model, params):
-            reason, seq.stop_reason = "stop", (token if token in params.stop_token_ids else None)
-        elif params.stop:
-            hits = [(seq.text.find(s), s) for s in params.stop if s in seq.text]
-            if hits:
-                cut, stop = min(hits)
-                seq.text, reason, seq.stop_reason = seq.text[:cut], "stop", stop
-        if reason is None and len(seq.output_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
+        stops = stop_ids(self.model, seq.params)
+        reason = finish_reason(token, seq.num_output_tokens, seq.params, stops)
+        stop_string = seq.detokenizer.update(seq.output_ids, final=reason is not None)
+        if reason is None and stop_string is not None:
+            return "stop", stop_string
+        return reason
 
-    def _emit(self, request: Request, finished: bool) -> RequestOutput:
+    def _emit(self, request: Request, force: bool = False) -> RequestOutput | None:
+        """The request's output for its output_kind (None when final_only and running)."""
+        finished = request.finished or force
+        if finished and request.request_id in self.requests:
+            del self.requests[request.request_id]
+            request.metrics.finished_time = time.perf_counter()
+            self.num_finished += 1
+        kind = request.params.output_kind
+        if kind == "final_only" and not finished:
+            return None
+        seqs = sorted(request.seqs, key=lambda s: s.index)
+        request.sent += [0] * (len(seqs) - len(request.sent))
         outputs = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            text = seq.text
-            if not seq.is_finished:  # streaming: hold back what may still change
-                text = text.rstrip("\ufffd")  # an unfinished multi-byte character
-                text = text[: len(text) - stop_text_holdback(text, seq.params.stop)]
+        for seq in seqs:
+            detok = seq.detokenizer
+            done = seq.is_finished
+            if kind == "delta":
+                text = detok.delta(done) if detok else ""
+                ids = seq.output_ids[request.sent[seq.index] :]
+            else:
+                text = detok.visible_text(done) if detok else ""
+                ids = list(seq.output_ids)
+            request.sent[seq.index] = seq.num_output_tokens
             outputs.append(
-                CompletionOutput(
-                    seq.index, text, list(seq.output_ids), seq.finish_reason, seq.stop_reason
-                )
+                CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason)
             )
         out = RequestOutput(
             request.request_id,
             request.prompt,
-            request.prompt_ids,
+            request.seqs[0].prompt_ids,
             outputs,
             finished,
             request.metrics,
-            request.seqs[0].num_cached,
+            request.seqs[0].num_cached_tokens,
         )
         if request.on_output is not None:
             request.on_output(out)
         return out
+
+    def _record(self, batch: Batch, start: float, end: float) -> StepRecord:
+        prefill = {}
+        for item in batch.items:
+            if item.start < item.seq.num_prompt_tokens:
+                prefill[item.seq.request_id] = prefill.get(item.seq.request_id, 0) + item.num_tokens
+        decode = [i.seq.request_id for i in batch.items if i.start >= i.seq.num_prompt_tokens]
+        preempted = [s.request_id for s in batch.preempted]
+        return StepRecord(self.num_steps, start, end, decode, prefill, preempted)
 
     # ------------------------------------------------------------------ state
     @property
@@ -293,3 +267,8 @@ class Engine:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in order if r in done]
+
+
+def final_only(params: SamplingParams | None) -> SamplingParams:
+    """The same parameters, emitting only the finished output (offline generation)."""
+    return replace(params or SamplingParams(), output_kind="final_only")

@@ -1,31 +1,35 @@
-"""Iteration-level scheduling: which sequences run in the next forward.
+"""Iteration-level scheduling: which tokens of which sequences the next forward computes,
+and what a step's sampled tokens do to the sequences afterwards.
 
-Every engine step is either a **prefill** step (admit waiting sequences and run their
-prompts) or a **decode** step (one new token for every running sequence); like
-nano-vllm, the two are not mixed in one forward. Policy, in order:
+Every sequence knows how many of its tokens are computed (K/V written); a decoding
+sequence has one uncomputed token (the last one sampled), a new prompt all of its tokens.
+With **chunked prefill** (the default, vLLM V1's policy) one token budget per step,
+`max_num_batched_tokens`, is shared by everything, in this order:
 
-1. Admission (continuous mode, every step; static mode only when nothing is running):
-   take waiting sequences first-come-first-served while the step's token budget
-   (`max_num_batched_tokens`, counting the tokens that actually run, i.e. past the prefix
-   cache hit), `max_num_seqs` (a request counts `n` times) and the free KV blocks allow.
-   The first one is always admitted if its blocks fit, so a long prompt never starves.
-   If anything was admitted, the step is a prefill step.
-2. Otherwise decode every running sequence, oldest first. A sequence that needs a new
-   block when none is free **preempts the most recently admitted** running sequence
-   (recompute: its blocks are freed and it goes back to the *front* of the waiting
-   queue with all its tokens), repeatedly, down to itself if nothing else is left.
-   Newest-first keeps the work already invested in old sequences and mirrors vLLM's
-   default; the recompute costs one prefill of prompt + output when it is readmitted.
+1. decodes of running sequences, oldest first (one token each): generation never stalls;
+2. the next chunk of each running prompt that is not done yet;
+3. swapped-out sequences coming back, then new requests, first come first served, while
+   the budget, `max_num_seqs` (a request counts `n` times) and the free blocks allow; a new
+   prompt's first chunk runs in the same step.
 
-No chunked prefill: a prompt runs whole in one step. The bundled model's context is 256
-tokens, so a prefill is never long enough to stall decodes much, and the prefix cache
-registers a prompt's full blocks at allocation, so a half-computed prompt could be
-"hit" by another sequence before its K/V exist; chunking would need that deferred.
+All of it goes through the model in ONE forward. A long prompt is cut into chunks, so the
+decodes around it keep their pace instead of waiting for its whole prefill.
+
+Without chunking (`chunked_prefill=False`, the policy before vLLM V1) a step either admits
+and prefills whole prompts or decodes: a long prompt then stalls every decode for a step.
+`static=True` admits only when nothing runs: the static-batching baseline.
+
+When a sequence needs a block and none is free, the **most recently admitted** running
+sequence is preempted (vLLM's default), repeatedly, down to itself: **recompute** frees its
+blocks and requeues it at the front (its tokens are prefilled again on readmission);
+**swap** copies its blocks to the CPU pool and resumes it from there. A preempting step
+admits nothing new.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minillm.cache.block_manager import BlockManager
@@ -33,116 +37,210 @@ from minillm.engine.sequence import Sequence, Status
 
 
 @dataclass
-class Batch:
-    """What the model runs next: prefill (whole prompts past their cached prefix) or
-    decode (one token per sequence), plus copy-on-write block copies to do first."""
+class Scheduled:
+    """One sequence's share of a step: `num_tokens` of its uncomputed tokens, and the
+    sequences that sample a token from the logits after the last of them (itself, plus the
+    children of a request with n > 1 forked as its prompt finishes; none for a chunk that
+    leaves the prompt unfinished)."""
 
-    seqs: list[Sequence]
-    is_prefill: bool
+    seq: Sequence
+    start: int  # the first token computed in this step (the sequence's computed count then)
+    num_tokens: int
+    samplers: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    """A step: one-token rows (decodes) first, then prompt chunks, and the block copies the
+    cache must make before the forward (swap-outs, swap-ins, copy-on-write, in that order)."""
+
+    items: list[Scheduled]
     copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        if self.is_prefill:
-            return sum(len(s) - s.num_cached for s in self.seqs)
-        return len(self.seqs)
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of prompts (or of preempted sequences being recomputed) in this step."""
+        return sum(i.num_tokens for i in self.items if i.start < i.seq.num_prompt_tokens)
+
+    def busy(self) -> set[Sequence]:
+        """Every sequence this step computes or samples for: not to be preempted now."""
+        return {s for item in self.items for s in (item.seq, *item.samplers)}
 
 
 class Scheduler:
-    """Waiting and running queues over one BlockManager."""
+    """Waiting, running and swapped queues over one BlockManager."""
 
     def __init__(
         self,
         manager: BlockManager,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 2048,
+        chunked_prefill: bool = True,
         static: bool = False,
+        preemption_mode: str = "recompute",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.manager, self.static = manager, static
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={preemption_mode!r}: use 'recompute' or 'swap'")
+        self.manager, self.static, self.preemption_mode = manager, static, preemption_mode
+        self.chunked = chunked_prefill and not static
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def _width(self, seq: Sequence) -> int:
-        """Running slots a waiting sequence takes: its future forks count too."""
-        return seq.params.n if seq.params.n > 1 and not seq.output_ids else 1
-
+    # ------------------------------------------------------------------ schedule
     def schedule(self) -> Batch | None:
-        """The next step's batch, or None when nothing is left to run."""
-        if not self.static or not self.running:
-            batch = self._admit()
-            if batch.seqs:
-                return batch
-        return self._decode() if self.running else None
+        """The next step, or None when nothing is left to run."""
+        batch = Batch([])
+        if not self.chunked:  # a step admits and prefills, or decodes: never both
+            if not self.static or not self.running:
+                self._admit(batch, budget=self.max_num_batched_tokens)
+            if not batch.items:
+                self._run_running(batch, self.max_num_batched_tokens, prompts=False)
+        else:
+            budget = self._run_running(batch, self.max_num_batched_tokens, prompts=False)
+            budget = self._run_running(batch, budget, prompts=True)
+            if not batch.preempted:
+                budget = self._swap_in(batch, budget)
+                self._admit(batch, budget)
+        if not batch.items and not batch.preempted:
+            return None
+        batch.items.sort(key=lambda item: item.num_tokens > 1)  # one-token rows first
+        return batch
 
-    def _admit(self) -> Batch:
-        admitted: list[Sequence] = []
-        tokens, slots = 0, len(self.running)
-        while self.waiting:
-            seq = self.waiting[0]
-            width = self._width(seq)
-            if slots + width > self.max_num_seqs and (admitted or self.running):
-                break
-            if not self.manager.can_allocate(seq.token_ids):
-                break
-            if admitted and tokens + len(seq) > self.max_num_batched_tokens:
-                break  # (an estimate before the prefix-cache hit, to leave state untouched)
-            seq.num_cached = self.manager.allocate(seq.seq_id, seq.token_ids)
-            tokens += len(seq) - seq.num_cached
-            slots += width
-            seq.status = Status.RUNNING
-            admitted.append(self.waiting.popleft())
-            self.running.append(seq)
-        return Batch(admitted, is_prefill=True)
-
-    def _decode(self) -> Batch:
-        batch = Batch([], is_prefill=False)
-        queue, self.running = self.running, deque()
-        while queue:
-            seq = queue.popleft()
-            while not self.manager.can_append(seq.seq_id):
-                victim = queue.pop() if queue else seq
-                self.preempt(victim)
-                batch.preempted.append(victim)
+    def _run_running(self, batch: Batch, budget: int, prompts: bool) -> int:
+        """Schedule the running decodes (or, `prompts`, the unfinished prompts' next chunks)
+        within `budget` tokens, preempting the newest running sequences for blocks."""
+        busy = batch.busy()
+        queue = [s for s in self.running if (s.num_uncomputed > 1) == prompts and s not in busy]
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            while not self.manager.can_append(seq):
+                busy = batch.busy()
+                victim = [s for s in self.running if s not in busy][-1]  # newest: seq at worst
+                self._preempt(victim, batch)
+                if victim in queue:
+                    queue.remove(victim)
                 if victim is seq:
                     break
             else:
-                slot, copy = self.manager.append_slot(seq.seq_id, seq.output_ids[-1])
-                if copy is not None:
-                    batch.copies.append(copy)
-                batch.seqs.append(seq)
-                self.running.append(seq)
-        return batch
+                n = min(seq.num_uncomputed, budget)
+                batch.copies += self.manager.append_slots(seq)
+                batch.items.append(self._item(seq, n))
+                budget -= n
+        return budget
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the blocks, requeue at the front of waiting."""
-        self.manager.free(seq.seq_id)
-        seq.status = Status.WAITING
+    def _swap_in(self, batch: Batch, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.manager.can_swap_in(seq):
+                break
+            batch.swap_in += self.manager.swap_in(self.swapped.popleft())
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.copies += self.manager.append_slots(seq)
+            n = min(seq.num_uncomputed, budget)
+            batch.items.append(self._item(seq, n))
+            budget -= n
+        return budget
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        slots = len(self.running) + len(self.swapped)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = seq.params.n if seq.params.n > 1 and not seq.num_output_tokens else 1
+            if slots + width > self.max_num_seqs and (batch.items or self.running):
+                break
+            if not self.manager.can_allocate(seq):
+                break
+            if not self.chunked and batch.items and len(seq) > budget:
+                break  # a whole prompt per step without chunking (the first always fits)
+            self.manager.allocate(seq)
+            n = min(seq.num_uncomputed, budget) if self.chunked else seq.num_uncomputed
+            seq.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            batch.copies += self.manager.append_slots(seq)
+            batch.items.append(self._item(seq, n))
+            budget -= n
+            slots += width
+
+    def _item(self, seq: Sequence, n: int) -> Scheduled:
+        """A scheduled share; when it finishes the prompt of a request with n > 1 samples,
+        the children are forked here, sharing the blocks this step fills."""
+        item = Scheduled(seq, seq.num_computed_tokens, n)
+        if n < seq.num_uncomputed:
+            return item  # a chunk in the middle of the prompt: nothing to sample yet
+        item.samplers.append(seq)
+        if seq.params.n > 1 and not seq.num_output_tokens and seq.index == 0:
+            for j in range(1, seq.params.n):
+                child = seq.fork(j)
+                self.manager.fork(seq, child)
+                child.status = Status.RUNNING
+                self.running.append(child)
+                item.samplers.append(child)
+        return item
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        """Swap the sequence out to the CPU pool if that mode is on and it fits; otherwise
+        recompute: free its blocks and requeue it at the front of waiting."""
+        self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        if self.preemption_mode == "swap" and self.manager.can_swap_out(seq):
+            batch.swap_out += self.manager.swap_out(seq)
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.manager.free(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start a child sample on its parent's blocks (shared until one writes)."""
-        self.manager.fork(parent.seq_id, child.seq_id)
-        child.status = Status.RUNNING
-        self.running.append(child)
+    # ------------------------------------------------------------------ after the forward
+    def postprocess(
+        self, batch: Batch, tokens: list[int], stop: Callable[[Sequence, int], tuple | None]
+    ) -> list[Sequence]:
+        """Record a step: mark the computed tokens (which publishes full blocks to the prefix
+        cache), append each sampled token, and finish the sequences that `stop(seq, token)`
+        ends (it returns (finish_reason, stop_reason) or None). Returns the sequences that
+        got a token."""
+        sampled, it = [], iter(tokens)
+        for item in batch.items:
+            computed = item.start + item.num_tokens
+            for seq in item.samplers or [item.seq]:
+                self.manager.mark_computed(seq, computed)
+            for seq in item.samplers:
+                token = next(it)
+                seq.append(token)
+                sampled.append(seq)
+                reason = stop(seq, token)
+                if reason is not None:
+                    self.finish(seq, *reason)
+        return sampled
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire a sequence (done or aborted): its blocks go back to the pool at once."""
         if seq.status is Status.RUNNING:
-            self.manager.free(seq.seq_id)
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+        self.manager.free(seq)
+        seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop_reason

@@ -1,10 +1,12 @@
-"""One generated sequence: its tokens, its sampling state and where it is in its life.
+"""One generated sequence: the single owner of its tokens, its KV blocks, its sampling state
+and where it is in its life.
 
-A request with `n` samples becomes `n` sequences (a parent and `n - 1` children forked
-from it after the prompt's prefill). The scheduler moves sequences between WAITING and
-RUNNING; a preempted sequence goes back to WAITING with every token it has so far and
-recomputes them when it is admitted again (its RNG keeps its state, so a seeded sample
-continues exactly where it stopped).
+A request with `n` samples becomes `n` sequences: a parent, and `n - 1` children forked from
+it in the step that finishes the prompt, sharing its blocks. The scheduler moves sequences
+between WAITING, RUNNING and SWAPPED. A sequence knows how many of its tokens are computed
+(their K/V written), so a prompt can run in chunks and a preempted sequence resumes exactly
+where it was: recomputed from its tokens, or swapped back in. Its RNG keeps its state
+either way, so a seeded sample continues as if nothing happened.
 """
 
 from __future__ import annotations
@@ -16,39 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.generation.sampling import SamplingParams as _BaseSamplingParams
-from minillm.generation.sampling import make_generator
-
-
-@dataclass
-class SamplingParams(_BaseSamplingParams):
-    """vLLM's SamplingParams subset: minillm's sampling knobs plus `n` samples per prompt
-    and `stop` strings (the stop string itself is left out of the text, as in vLLM)."""
-
-    n: int = 1
-    stop: str | list[str] | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.n < 1:
-            raise ValueError(f"n={self.n} must be >= 1 (samples per prompt)")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-
-
-def as_engine_params(params: _BaseSamplingParams | None) -> SamplingParams:
-    """Accept minillm.SamplingParams too (n=1, no stop strings)."""
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    return SamplingParams(**{k: getattr(params, k) for k in params.__dataclass_fields__})
+from minillm.cache.block_manager import PagedSequence
+from minillm.engine.detokenizer import Detokenizer
+from minillm.generation.sampling import SamplingParams, make_generator
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -56,47 +34,62 @@ _ids = itertools.count()
 
 
 @dataclass(eq=False)
-class Sequence:
-    """Token ids (prompt then output), status and per-sequence sampling state."""
+class Sequence(PagedSequence):
+    """Prompt and output tokens (one list, `token_ids`, read by the block manager), status,
+    sampling state, detokenized text and per-token timestamps."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
-    request_id: str
+    num_prompt_tokens: int = 0
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
     index: int = 0  # which of the request's n samples
     seq_id: int = field(default_factory=lambda: next(_ids))
-    output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    num_cached: int = 0  # prompt tokens served by the prefix cache at the last admission
     num_preemptions: int = 0
-    children: list[Sequence] = field(default_factory=list)  # forked after the prefill
-    text: str = ""  # detokenized output, cut at a stop string once one appears
-    token_times: list[float] = field(default_factory=list)  # wall time of each output token
     generator: torch.Generator | None = None
+    detokenizer: Detokenizer | None = None
+    token_times: list[float] = field(default_factory=list)  # wall time of each output token
 
     def __post_init__(self) -> None:
-        seed = None if self.params.seed is None else self.params.seed + self.index
-        self.generator = make_generator(seed)
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        if self.generator is None:
+            seed = None if self.params.seed is None else self.params.seed + self.index
+            self.generator = make_generator(seed)
 
     @property
-    def token_ids(self) -> list[int]:
-        """Every token the model has to have seen: the prompt and the output so far."""
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
 
-    def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V the next forwards must compute (1 for a decoding sequence)."""
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
     def append(self, token: int) -> None:
-        self.output_ids.append(token)
+        self.token_ids.append(token)
         self.token_times.append(time.perf_counter())
 
     def fork(self, index: int) -> Sequence:
-        """A child sample: same tokens so far, its own seed and RNG."""
-        child = Sequence(list(self.prompt_ids), self.params, self.request_id, index)
-        child.output_ids = list(self.output_ids)
-        return child
+        """A child sample with the same tokens so far, its own seed and RNG (its blocks are
+        shared by the block manager's fork)."""
+        return Sequence(
+            list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            request_id=self.request_id,
+            index=index,
+            status=self.status,
+        )

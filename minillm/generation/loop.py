@@ -34,6 +34,20 @@ def stop_ids(model: Transformer, params: SamplingParams) -> set[int]:
     return {*eos, *params.stop_token_ids}
 
 
+def finish_reason(
+    token: int, num_generated: int, params: SamplingParams, stops: set[int]
+) -> tuple[str, int | None] | None:
+    """The one stop policy, after a sequence's `num_generated`-th token: ("stop", reason) on
+    a stop token (EOS unless ignored: reason None; a stop_token_id: reason that id),
+    ("length", None) once max_tokens are generated, None to go on. Stop strings are text,
+    so the engine's detokenizer finds those."""
+    if token in stops:
+        return "stop", token if token in params.stop_token_ids else None
+    if num_generated >= params.max_tokens:
+        return "length", None
+    return None
+
+
 def _sample_rows(
     logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
 ) -> torch.Tensor:
@@ -63,7 +77,7 @@ def sample_loop(
         for b, token in enumerate(tokens.tolist()):
             if not done[b]:
                 out[b].append(token)
-                done[b] = token in stops
+                done[b] = finish_reason(token, len(out[b]), params, stops) is not None
                 if on_token is not None:
                     on_token(b, token)
         if all(done) or i == params.max_tokens - 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.cache.block_manager import BlockManager
+from minillm.cache.block_manager import BlockManager, PagedSequence
 from minillm.cache.paged import PagedKVCache
 from minillm.generation.loop import check_length, sample_loop, stop_ids
 from minillm.generation.sampling import SamplingParams, make_generator
@@ -23,53 +23,57 @@ def generate_paged(
     manager: BlockManager | None = None,
     use_kernel: bool = False,
 ) -> list[list[int]]:
-    """Like `minillm.generation.cached`, on a paged cache: prompts sharing prefix blocks prefill
-    them once, and each prompt's `n` samples share its blocks (forks). Returns
-    len(prompts) * n lists, the samples of each prompt together. No preemption: an
-    OutOfBlocks here means `num_blocks` is too small for the batch. A `manager` given must
-    hold no sequences (its prefix cache may be warm: later calls then hit it).
-    `use_kernel`: decode steps attend with the Triton paged kernel (see PagedKVCache)."""
+    """Like `minillm.generate`, on a paged cache: prompts sharing prefix blocks prefill them
+    once, and each prompt's `n` samples share its blocks (forks). Returns len(prompts) * n
+    lists, the samples of each prompt together. No preemption: an OutOfBlocks here means
+    `num_blocks` is too small for the batch. A `manager` given may have a warm prefix cache
+    (later calls then hit it). `use_kernel`: decode rows attend with the Triton paged kernel."""
     cfg, device = model.config, model.lm_head.weight.device
-    limit = cfg.max_position_embeddings
     for p in prompts:
         check_length(model, len(p), params.max_tokens)
     if num_blocks is None:  # enough for every sample without sharing
-        num_blocks = len(prompts) * n * -(-(limit + 1) // block_size)
+        num_blocks = (
+            len(prompts) * n * -(-(len(max(prompts, key=len)) + params.max_tokens) // block_size)
+        )
     manager = manager or BlockManager(num_blocks, block_size)
-    if manager.tables:
-        raise ValueError("generate_paged needs a BlockManager without sequences: free them")
     dtype = model.lm_head.weight.dtype
     cache = PagedKVCache(cfg, manager.num_blocks, manager.block_size, dtype, device, use_kernel)
-    # Prefill, one prompt after another so that a later prompt finds an earlier one's
-    # blocks in the prefix cache; only each prompt's uncached tail runs.
-    last_logits = []
-    for i, p in enumerate(prompts):
-        start = manager.allocate(i * n, p)
-        cache.set_tables([manager.block_table(i * n)])
+    # Prefill one prompt after another, so that a later prompt finds an earlier one's blocks
+    # in the prefix cache: only each prompt's uncached tail runs.
+    seqs, last_logits = [], []
+    for p in prompts:
+        seq = PagedSequence(list(p))
+        start = manager.allocate(seq)
+        cache.plan(decode=[], prefill=[(seq.block_table, start, len(p) - start)])
         ids = torch.tensor([p[start:]], device=device)
         pos = torch.arange(start, len(p), device=device)[None]
         last_logits.append(model(ids, pos, cache=cache)[0, -1])
-        for j in range(1, n):
-            manager.fork(i * n, i * n + j)
-    seqs = list(range(len(prompts) * n))
-    logits = torch.stack([last_logits[s // n] for s in seqs])
-    positions = torch.tensor([len(prompts[s // n]) for s in seqs], device=device)
+        manager.mark_computed(seq, len(p))
+        seqs.append(seq)
+        for _ in range(1, n):
+            child = PagedSequence(list(p))
+            manager.fork(seq, child)
+            seqs.append(child)
+    logits = torch.stack([last_logits[i // n] for i in range(len(seqs))])
     generators = [
-        make_generator(None if params.seed is None else params.seed + s % n, device) for s in seqs
+        make_generator(None if params.seed is None else params.seed + i % n, device)
+        for i in range(len(seqs))
     ]
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
-        nonlocal positions
         copies = []
-        for s, token in enumerate(tokens.tolist()):  # each row's slot for this token
-            copies += [c for c in [manager.append_slot(s, token)[1]] if c is not None]
+        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+            seq.token_ids.append(token)
+            copies += manager.append_slots(seq)  # a shared last block is copied first
         cache.copy_blocks(copies)
-        cache.set_tables([manager.block_table(s) for s in seqs])
-        logits = model(tokens[:, None], positions[:, None], cache=cache)[:, -1]
-        positions = positions + 1
+        cache.plan(decode=[(s.block_table, len(s)) for s in seqs], prefill=[])
+        positions = torch.tensor([[len(s) - 1 for s in seqs]], device=device)
+        logits = model(tokens[None], positions, cache=cache)[0]
+        for seq in seqs:
+            manager.mark_computed(seq, len(seq))
         return logits
 
     out = sample_loop(logits, params, step, stop_ids(model, params), generators)
-    for s in seqs:
-        manager.free(s)
+    for seq in seqs:
+        manager.free(seq)
     return out

@@ -170,11 +170,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`positions` defaults to 0..T-1. Without a cache, attention is causal over the T
         tokens given, or follows `mask` (bool [B, 1, T, T], True = attend). With a cache, the
         tokens' K/V go into it at their positions and each token attends to every cached
-        position up to its own: the cache decides what each query sees."""
+        position up to its own: the cache decides what each query sees. `logits_at`: only
+        these indices along T get logits ([B, len(logits_at), vocab]); an engine step needs
+        one row per sampled sequence, not a vocabulary-wide row for every prompt token."""
         if cache is not None and mask is not None:
             raise ValueError(
                 "a cache decides which slots each query sees: give mask= only without one"
@@ -186,6 +189,8 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, cos, sin, mask, cache)
+        if logits_at is not None:
+            x = x[:, logits_at]
         return self.lm_head(self.model.norm(x))
 
     def _apply(

@@ -25,8 +25,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from minillm.engine.llm_engine import Engine, RequestOutput
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.llm_engine import Engine
+from minillm.engine.outputs import RequestOutput
+from minillm.generation.sampling import SamplingParams
 from minillm.serving.async_engine import AsyncEngine
 from minillm.serving.protocol import (
     ApiError,
@@ -109,6 +110,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
                 stop_token_ids=list(body.stop_token_ids),
                 n=body.n,
                 stop=body.stop,
+                output_kind="delta",  # each output carries only what is new: O(1) per token
             )
         except ValueError as err:
             raise ApiError(str(err)) from None
@@ -135,8 +137,7 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             if not finished:
                 core.abort(request_id)
 
-    def usage(out: RequestOutput) -> dict[str, int]:
-        done = sum(len(o.token_ids) for o in out.outputs)
+    def usage(out: RequestOutput, done: int) -> dict[str, int]:
         n_prompt = len(out.prompt_token_ids)
         return {
             "prompt_tokens": n_prompt,
@@ -158,39 +159,35 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
         created = int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
         if not body.stream:
-            last = None
+            last, texts, counts = None, [""] * params.n, [0] * params.n
+            reasons: list[str | None] = [None] * params.n
             stream = results(request_id, outputs)
             async for out in stream:
                 last = out
+                for o in out.outputs:
+                    texts[o.index] += o.text
+                    counts[o.index] += len(o.token_ids)
+                    reasons[o.index] = o.finish_reason
                 if not out.finished and await request.is_disconnected():
                     await stream.aclose()  # the client left: abort, free the blocks
                     return JSONResponse({}, status_code=499)
+            use = usage(last, sum(counts))
             if chat:
                 choices = [
                     {
-                        "index": o.index,
-                        "message": {"role": "assistant", "content": o.text},
-                        "finish_reason": o.finish_reason,
+                        "index": i,
+                        "message": {"role": "assistant", "content": texts[i]},
+                        "finish_reason": reasons[i],
                         "logprobs": None,
                     }
-                    for o in last.outputs
+                    for i in range(params.n)
                 ]
-                return {
-                    **head,
-                    "object": "chat.completion",
-                    "choices": choices,
-                    "usage": usage(last),
-                }
+                return {**head, "object": "chat.completion", "choices": choices, "usage": use}
             choices = [
-                {
-                    "index": o.index,
-                    "text": o.text,
-                    "finish_reason": o.finish_reason,
-                    "logprobs": None,
-                }
-                for o in last.outputs
+                {"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None}
+                for i in range(params.n)
             ]
-            return {**head, "object": "text_completion", "choices": choices, "usage": usage(last)}
+            return {**head, "object": "text_completion", "choices": choices, "usage": use}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -204,22 +201,19 @@ def create_app(engine: Engine, model_name: str, chat_template: str | None = None
             return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            sent = [""] * params.n
-            closed = [False] * params.n
+            started, closed, generated = [False] * params.n, [False] * params.n, 0
             last = None
             async for out in results(request_id, outputs):
                 last = out
-                for o in out.outputs:
-                    if closed[o.index]:
+                for o in out.outputs:  # deltas: only what is new since the last output
+                    generated += len(o.token_ids)
+                    if closed[o.index] or not (o.text or o.finish_reason is not None):
                         continue
-                    delta = o.text[len(sent[o.index]) :]
-                    if delta or o.finish_reason is not None:
-                        first = not sent[o.index]
-                        sent[o.index] += delta
-                        closed[o.index] = o.finish_reason is not None
-                        yield chunk(o.index, delta, o.finish_reason, first)
+                    yield chunk(o.index, o.text, o.finish_reason, not started[o.index])
+                    started[o.index] = True
+                    closed[o.index] = o.finish_reason is not None
             if include_usage and last is not None:
-                tail = {**head, "object": kind, "choices": [], "usage": usage(last)}
+                tail = {**head, "object": kind, "choices": [], "usage": usage(last, generated)}
                 yield f"data: {json.dumps(tail)}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -10,8 +10,9 @@ import time
 import uuid
 from collections import deque
 
-from minillm.engine.llm_engine import Engine, RequestOutput
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.llm_engine import Engine
+from minillm.engine.outputs import RequestOutput
+from minillm.generation.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

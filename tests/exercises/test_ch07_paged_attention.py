@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from minillm.cache import BlockManager, OutOfBlocks
+from minillm.cache import BlockManager
+from minillm.cache.block_manager import PagedSequence
 from minillm.kernels.paged_attention import gather_kv as minillm_gather_kv
 
 
@@ -76,8 +77,10 @@ def test_ch07_prefix_block_hashes_find_what_minillm_finds(ch07):
         first = [rng.randrange(3) for _ in range(rng.randrange(1, 16))]
         second = first[: rng.randrange(len(first) + 1)] + [rng.randrange(3) for _ in range(5)]
         m = BlockManager(32, bs)
-        m.allocate(0, first)
-        hits = m.allocate(1, second) // bs
+        a = PagedSequence(list(first))
+        m.allocate(a)
+        m.mark_computed(a, len(first))  # its prefill ran: its full blocks are cached
+        hits = m.allocate(PagedSequence(list(second))) // bs
         known = set(ch07.prefix_block_hashes(first, bs))
         mine = 0
         for h in ch07.prefix_block_hashes(second[: len(second) - 1], bs):  # last token: computed
@@ -134,33 +137,38 @@ def test_ch07_cow_append_agrees_with_minillm_under_random_forks(ch07):
     m = BlockManager(n_blocks, bs, prefix_cache=False)
     refs, free = [0] * n_blocks, list(range(n_blocks))
     tables: dict[int, list[int]] = {}
-    lengths: dict[int, int] = {}
+    seqs: dict[int, PagedSequence] = {}
     next_id = 0
     for _ in range(150):
         if not tables or rng.random() < 0.15:  # a fork (or the first sequence)
             if tables:
                 parent = rng.choice(sorted(tables))
-                m.fork(parent, next_id)
-                tables[next_id], lengths[next_id] = list(tables[parent]), lengths[parent]
+                seqs[next_id] = PagedSequence(list(seqs[parent].token_ids))
+                m.fork(seqs[parent], seqs[next_id])
+                tables[next_id] = list(tables[parent])
                 for b in tables[next_id]:
                     refs[b] += 1
             else:
-                m.allocate(next_id, [1])
-                tables[next_id], lengths[next_id] = [], 0
+                seqs[next_id] = PagedSequence([1])
+                m.allocate(seqs[next_id])
+                m.mark_computed(seqs[next_id], 1)
+                tables[next_id] = []
                 ch07.cow_append(tables[next_id], 0, refs, free, bs)
-                lengths[next_id] = 1
             next_id += 1
             continue
-        seq = rng.choice(sorted(tables))
-        try:
-            slot, copy = m.append_slot(seq, 0)
-        except OutOfBlocks:  # the pool ran dry: the exercise must refuse too
-            raises_runtime_error(ch07.cow_append, tables[seq], lengths[seq], refs, free, bs)
+        sid = rng.choice(sorted(tables))
+        seq = seqs[sid]
+        length = len(seq)
+        seq.token_ids.append(0)
+        if not m.can_append(seq):  # the pool ran dry: the exercise must refuse too
+            seq.token_ids.pop()
+            raises_runtime_error(ch07.cow_append, tables[sid], length, refs, free, bs)
             continue
-        mine = ch07.cow_append(tables[seq], lengths[seq], refs, free, bs)
-        lengths[seq] += 1
-        assert mine == (slot, copy)
-        assert tables[seq] == m.block_table(seq)
+        copies = m.append_slots(seq)
+        m.mark_computed(seq, len(seq))
+        mine = ch07.cow_append(tables[sid], length, refs, free, bs)
+        assert mine == (m.slot(seq, length), copies[0] if copies else None)
+        assert tables[sid] == seq.block_table
     assert refs == [b.ref_count for b in m.blocks]
 
 

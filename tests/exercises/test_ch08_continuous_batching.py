@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from minillm.engine.llm_engine import stop_text_holdback
+from minillm.engine.detokenizer import stop_text_holdback
 
 # One urgent stream of short requests and one patient request (priority 5) at step 0.
 TRACE = [
