@@ -151,11 +151,14 @@ def _engine_tokens(model, work, params, num_blocks: int) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in engine.run_to_completion()]
 
 
-def _throughput(model, concurrency: int, out_tokens: int, run) -> dict[str, float]:
+def _throughput(
+    model, concurrency: int, out_tokens: int, run, decode_mode: str | None = None
+) -> dict[str, float]:
     n = max(4, concurrency)
     work = prompts(n, min(model.config.vocab_size, 4000), 16, 64, seed=concurrency)
     need_blocks = sum(-(-(len(p) + out_tokens) // 16) for p in work[:concurrency]) + 16
-    engine = Engine(model, load_tokenizer(), num_blocks=need_blocks, max_num_seqs=concurrency)
+    engine = Engine(model, load_tokenizer(), num_blocks=need_blocks, max_num_seqs=concurrency,
+                    decode_mode=decode_mode)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
     engine.add_request(work[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.run_to_completion()  # warm-up: kernels compiled, allocator warm
@@ -195,6 +198,11 @@ def engine(run) -> dict[str, Any]:
         levels = (1, 4) if run.cpu else (1, 32, 128)
         row["throughput"] = {
             f"{c} in flight": _throughput(model, c, 8 if run.cpu else 64, run) for c in levels
+        }
+        # the decode fast path (CUDA graphs on a GPU; on a CPU both runs are eager)
+        row["throughput_eager_steps"] = {
+            f"{c} in flight": _throughput(model, c, 8 if run.cpu else 64, run, "eager")
+            for c in levels[:2]
         }
         out["models"][name] = row
         del model

@@ -55,9 +55,20 @@ def test_greedy_tokens_equal_generate_with_the_triton_decode_kernel(model, tok, 
         dict(),  # continuous, roomy pool
         dict(static=True, max_num_seqs=3),  # the baseline: fixed batches of 3
         dict(num_blocks=14, block_size=4, max_num_seqs=8),  # tight pool: preemption
-        dict(max_num_seqs=2, max_num_batched_tokens=8),  # admission limited every step
+        dict(num_blocks=14, block_size=4, max_num_seqs=8, preemption_mode="swap"),
+        dict(max_num_seqs=4, max_num_batched_tokens=5),  # prompts cut in chunks of <= 5
+        dict(chunked_prefill=False, max_num_seqs=4),  # whole prompts, prefill-only steps
+        dict(decode_mode="static", max_num_seqs=5),  # what a CUDA graph records: 3 rows -> 4
     ],
-    ids=["continuous", "static", "preemption", "small-budget"],
+    ids=[
+        "continuous",
+        "static",
+        "preempt-recompute",
+        "preempt-swap",
+        "chunked",
+        "unchunked",
+        "padded-decode",
+    ],
 )
 def test_greedy_tokens_equal_generate_alone(model, tok, workload, config):
     params = greedy(24)
@@ -68,7 +79,59 @@ def test_greedy_tokens_equal_generate_alone(model, tok, workload, config):
     assert [o.prompt_token_ids for o in outs] == workload
     if config.get("num_blocks") == 14:
         assert engine.scheduler.num_preemptions > 0, "the tight pool should force preemption"
+    if config.get("preemption_mode") == "swap":
+        assert engine.trace is None and len(engine.manager.free_swap_ids) == 14
     assert not leaked(engine)
+
+
+@pytest.mark.slow
+def test_compiled_decode_steps_give_the_same_tokens(model, tok, workload):
+    """decode_mode="compile": one torch.compile graph per bucket (here one bucket, of one
+    row: requests run one at a time), replayed on fixed buffers; tokens equal generate's."""
+    params = greedy(12)
+    engine = Engine(model, tok, max_num_seqs=1, decode_mode="compile")
+    outs = run(engine, workload[:3], params)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        generate(model, [p], params)[0] for p in workload[:3]
+    ]
+    assert {rows for rows, _ in engine.runner.graphs} == {1}
+    assert not leaked(engine)
+
+
+def test_swap_preemption_resumes_without_recomputing(model, tok, workload):
+    """With swap (and swap space for everyone), a preempted sequence's K/V come back from
+    the CPU pool: no prompt token is computed twice, where recompute prefills again."""
+    params = greedy(24)
+    counts = {}
+    for mode in ("recompute", "swap"):
+        engine = Engine(model, tok, num_blocks=14, block_size=4, max_num_seqs=8,
+                        preemption_mode=mode, num_swap_blocks=64)  # fmt: skip
+        outs = run(engine, workload, params)
+        assert engine.scheduler.num_preemptions > 0
+        assert [o.outputs[0].token_ids for o in outs] == [
+            generate(model, [p], params)[0] for p in workload
+        ]
+        counts[mode] = engine.num_prompt_tokens
+    assert counts["swap"] <= sum(len(p) for p in workload) < counts["recompute"]
+
+
+def test_chunked_prefill_keeps_decoding_while_a_long_prompt_runs(model, tok, prompts):
+    """A long prompt arrives while another request decodes: with chunks of 8 tokens the
+    decoding request gets a token in every step of the prefill; without chunking it waits
+    one whole-prompt step."""
+    long = (prompts[1] * 8)[:64]
+    for chunked in (True, False):
+        engine = Engine(model, tok, max_num_batched_tokens=8, chunked_prefill=chunked)
+        engine.trace = []
+        first = engine.add_request(prompts[0], greedy(20))
+        engine.step()  # the first prompt (3 tokens) is prefilled
+        engine.add_request(long, greedy(4))
+        engine.run_to_completion()
+        steps = [r for r in engine.trace if "1" in r.prefill_tokens]
+        if chunked:  # 64 tokens: 7 chunks of <= 7 (one budget slot goes to the decode)
+            assert len(steps) > 1 and all(first in r.decode_ids for r in steps)
+        else:
+            assert len(steps) == 1 and first not in steps[0].decode_ids
 
 
 def test_static_batch_waits_for_its_longest_request(model, tok, workload):

@@ -271,7 +271,8 @@ class BlockManager:
         return pairs
 
     def can_swap_in(self, seq: PagedSequence) -> bool:
-        return len(seq.block_table) <= self.num_free_blocks
+        """Room for its swapped blocks and for the tokens appended since (append_slots)."""
+        return max(self.blocks_for(len(seq)), len(seq.block_table)) <= self.num_free_blocks
 
     def swap_in(self, seq: PagedSequence) -> list[tuple[int, int]]:
         """Back into fresh device blocks: returns (swap block, device block) copies to

@@ -73,7 +73,10 @@ class PagedKVCache:
         # use_kernel: decode rows attend with the Triton paged kernel, reading K/V in place
         # (needs CUDA, or Triton's CPU interpreter: see `minillm.kernels`).
         self.use_kernel = use_kernel
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads)
+        # One block more than the manager hands out: padding rows of a static decode plan
+        # write and read there, never into a sequence's blocks.
+        self.padding_block = num_blocks
+        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads)
         shape += (cfg.head_dim,)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -82,6 +85,7 @@ class PagedKVCache:
         self.k_swap = torch.zeros(swap_shape, dtype=dtype, pin_memory=pin)
         self.v_swap = torch.zeros(swap_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
+        self._static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.plan([], [])
 
     @property
@@ -107,6 +111,38 @@ class PagedKVCache:
             self.decode_tables = _tables([t for t, _ in decode], device)
             self.decode_lens = torch.tensor([n for _, n in decode], device=device)
         self.chunks = [(_tables([t], device), start, n) for t, start, n in prefill]
+
+    def plan_static_decode(
+        self, decode: Sequence[tuple[Sequence[int], int]], rows: int, max_blocks: int
+    ) -> None:
+        """A decode-only step padded to `rows` rows, written into buffers that keep their
+        addresses from step to step, so that a CUDA graph recorded once (or a compiled step)
+        can replay it: padding rows attend to one slot of the padding block."""
+        if len(decode) > rows:
+            raise ValueError(f"{len(decode)} decode rows do not fit a plan of {rows}")
+        key = (rows, max_blocks)  # one set of buffers per shape, kept for its recording
+        if key not in self._static:
+            device = self.k.device
+            self._static[key] = {
+                "slots": torch.zeros(rows, dtype=torch.long, device=device),
+                "tables": torch.zeros(rows, max_blocks, dtype=torch.long, device=device),
+                "lens": torch.ones(rows, dtype=torch.long, device=device),
+            }
+        static = self._static[key]
+        pad = self.padding_block
+        bs = self.block_size
+        tables = torch.full((rows, max_blocks), pad, dtype=torch.long)
+        lens = torch.ones(rows, dtype=torch.long)
+        slots = torch.full((rows,), pad * bs, dtype=torch.long)
+        for i, (table, length) in enumerate(decode):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            lens[i] = length
+            slots[i] = table[(length - 1) // bs] * bs + (length - 1) % bs
+        for name, value in (("slots", slots), ("tables", tables), ("lens", lens)):
+            static[name].copy_(value, non_blocking=True)
+        self.slot_mapping = static["slots"]
+        self.decode_tables, self.decode_lens = static["tables"], static["lens"]
+        self.num_decode, self.chunks = rows, []
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: copy every layer's K/V of block src into block dst."""

@@ -73,10 +73,14 @@ class Engine:
         chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
         num_swap_blocks: int | None = None,
+        decode_mode: str | None = None,
     ) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
+        on_gpu = model.lm_head.weight.is_cuda
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
-            use_kernel = model.lm_head.weight.is_cuda
+            use_kernel = on_gpu
+        if decode_mode is None:  # decode steps: CUDA graphs on a GPU, plain Python on a CPU
+            decode_mode = "cuda_graph" if on_gpu else "eager"
         self.context = model.config.max_position_embeddings
         if num_blocks is None:  # every running sequence can reach the full context
             num_blocks = max_num_seqs * -(-self.context // block_size)
@@ -93,7 +97,9 @@ class Engine:
             static,
             preemption_mode,
         )
-        self.runner = ModelRunner(model, self.manager, use_kernel, num_swap_blocks)
+        self.runner = ModelRunner(
+            model, self.manager, use_kernel, num_swap_blocks, decode_mode, max_num_seqs
+        )
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_steps = self.num_prompt_tokens = self.num_generated_tokens = 0

@@ -1,7 +1,18 @@
 """Turn a scheduled batch into one forward of the model on the paged KV cache, and sample
-each sequence's next token with its own parameters and RNG: token ids in, token ids out."""
+each sequence's next token with its own parameters and RNG: token ids in, token ids out.
+
+Decode-only steps have a fast path, as in nano-vLLM and vLLM: the batch is padded to a
+bucket size (1, 2, 4, 8, 16, 32, ... up to max_num_seqs) and its inputs written into
+buffers that keep their addresses, so the step can be recorded once per bucket as a CUDA
+graph and replayed with one launch (`decode_mode="cuda_graph"`, the default on a GPU), or
+compiled once per bucket with torch.compile (`"compile"`). `"eager"` runs every step
+as Python; `"static"` runs the padded path eagerly (what the graph records, checkable on a
+CPU).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -10,6 +21,8 @@ from minillm.cache.paged import PagedKVCache
 from minillm.engine.scheduler import Batch
 from minillm.generation.sampling import sample
 from minillm.model.transformer import Transformer
+
+DECODE_MODES = ("eager", "static", "compile", "cuda_graph")
 
 
 class ModelRunner:
@@ -21,8 +34,18 @@ class ModelRunner:
         manager: BlockManager,
         use_kernel: bool = False,
         num_swap_blocks: int = 0,
+        decode_mode: str = "eager",
+        max_batch: int = 32,
     ) -> None:
-        self.model, self.manager = model, manager
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode={decode_mode!r}: use one of {DECODE_MODES}")
+        if decode_mode == "cuda_graph" and not model.lm_head.weight.is_cuda:
+            raise ValueError("decode_mode='cuda_graph' needs the model on a GPU: use 'static'")
+        self.model, self.manager, self.decode_mode = model, manager, decode_mode
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
+        self.buckets.append(max_batch)
+        self.max_blocks = manager.blocks_for(model.config.max_position_embeddings)
+        self.graphs: dict[tuple[int, int], Any] = {}  # (rows, table width) -> recording
         self.device = model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         self.cache = PagedKVCache(
@@ -65,10 +88,63 @@ class ModelRunner:
         self.cache.swap(batch.swap_out, out=True)
         self.cache.swap(batch.swap_in, out=False)
         self.cache.copy_blocks(batch.copies)
-        ids, positions, last = self.inputs(batch)
-        logits = self.model(ids, positions, cache=self.cache, logits_at=last)[0].float()
         samplers = [item.samplers for item in batch.items if item.samplers]
-        return self.sample(logits, samplers) if samplers else []  # [] : chunks mid-prompt
+        decode_only = all(item.num_tokens == 1 and item.samplers for item in batch.items)
+        if self.decode_mode != "eager" and decode_only and len(batch.items) <= self.buckets[-1]:
+            logits = self._static_decode(batch)
+        else:
+            ids, positions, last = self.inputs(batch)
+            logits = self.model(ids, positions, cache=self.cache, logits_at=last)[0]
+        return self.sample(logits.float(), samplers) if samplers else []  # []: mid-prompt
+
+    def _static_decode(self, batch: Batch) -> torch.Tensor:
+        """A decode-only step padded to its bucket, replayed from the bucket's recording.
+        With the Triton kernel the block tables are as wide as the context (the kernel
+        reads only each row's length); the gather path reads every column, so its width is
+        bucketed too (powers of two) and each (rows, width) pair has its own recording."""
+        n = len(batch.items)
+        rows = next(b for b in self.buckets if b >= n)
+        width = self.max_blocks
+        if not self.cache.use_kernel:
+            need = max(len(item.seq.block_table) for item in batch.items)
+            width = min(self.max_blocks, 1 << (need - 1).bit_length())
+        decode = [(item.seq.block_table, item.start + 1) for item in batch.items]
+        self.cache.plan_static_decode(decode, rows, width)
+        if (rows, width) not in self.graphs:
+            self.graphs[rows, width] = self._record(rows)
+        ids, positions, out, replay = self.graphs[rows, width]
+        tokens = [item.seq.token_ids[item.start] for item in batch.items]
+        ids.copy_(torch.tensor([tokens + [0] * (rows - n)]))
+        positions.copy_(torch.tensor([[item.start for item in batch.items] + [0] * (rows - n)]))
+        replay()
+        return out[0, :n]
+
+    def _record(self, bucket: int) -> tuple:
+        """Fixed input buffers for a bucket and a function that runs the step on them: a CUDA
+        graph's replay, a compiled step, or the eager step."""
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        positions = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        rows = torch.arange(bucket, device=self.device)
+
+        def step() -> torch.Tensor:
+            return self.model(ids, positions, cache=self.cache, logits_at=rows)
+
+        if self.decode_mode == "static":
+            out = step()
+            return ids, positions, out, lambda: out.copy_(step())
+        if self.decode_mode == "compile":
+            compiled = torch.compile(step, dynamic=False, fullgraph=True)
+            out = compiled()
+            return ids, positions, out, lambda: out.copy_(compiled())
+        stream = torch.cuda.Stream()  # warm up on a side stream, as graph capture requires
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        return ids, positions, out, graph.replay
 
     @staticmethod
     def sample(logits: torch.Tensor, samplers: list[list]) -> list[int]:
