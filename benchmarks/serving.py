@@ -118,10 +118,12 @@ def slot_utilisation(engine: Engine, batch: int) -> float:
     return sum(decodes) / (len(decodes) * batch)
 
 
-def hf_model():
+def hf_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The bundled checkpoint in transformers, for the `generate` baseline."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, dtype=dtype)
+    return hf.to(device).eval()
 
 
 @torch.inference_mode()
@@ -139,8 +141,8 @@ def run_hf(model, work, batch: int = 32, pad_id: int = 0) -> list[list[int]]:
             ids[b, width - len(p) :], mask[b, width - len(p) :] = torch.tensor(p), 1
         longest = max(n for _, n in chunk)
         gen = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
             max_new_tokens=longest,
             min_new_tokens=longest,
             do_sample=False,
