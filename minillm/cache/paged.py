@@ -15,7 +15,8 @@ attention needs to know which tokens belong together, and `plan` tells the cache
   sequence's cached tokens and to the chunk's own, causally, on gathered K/V.
 
 A second, CPU pool (`num_swap_blocks`) is where a preempted sequence's blocks can be
-swapped to (`swap`).
+swapped to (`swap`). `kv_cache_dtype="int8"` or `"fp8"` stores codes and per-token scales
+(`minillm.cache.kv_quant`), dequantized as they are gathered.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from minillm.cache.kv_quant import kv_quant
 from minillm.cache.protocol import ModelShape
 from minillm.kernels.paged_attention import gather_kv, paged_attention
 
@@ -38,17 +40,12 @@ def _tables(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor
     return out.to(device)
 
 
-def gathered(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    tables: torch.Tensor,
-    visible: torch.Tensor,
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
-    """The PyTorch read: SDPA of q [rows, heads, T, d] over each row's K/V gathered
-    contiguous through its table; query t of row r sees the row's first visible[r] tokens
-    (decode: the context length) or visible[r, t] (a chunk: its position + 1)."""
-    k, v = gather_kv(k_pool, tables), gather_kv(v_pool, tables)  # [rows, kv_heads, S, d]
+    """SDPA of q [rows, heads, T, d] over each row's gathered K/V [rows, kv_heads, S, d];
+    query t of row r sees the row's first visible[r] tokens (decode: the context length)
+    or visible[r, t] (a chunk: its position + 1)."""
     slots = torch.arange(k.shape[2], device=q.device)
     if visible.dim() == 1:  # one length per row: the same for all its queries
         visible = visible[:, None]
@@ -69,28 +66,40 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
         use_kernel: bool = False,
         num_swap_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         # use_kernel: decode rows attend with the Triton paged kernel, reading K/V in place
         # (needs CUDA, or Triton's CPU interpreter: see `minillm.kernels`).
+        self.quant = kv_quant(kv_cache_dtype)
+        if use_kernel and self.quant is not None:
+            raise ValueError(
+                f"the Triton paged kernel reads K/V in the model's dtype, not {kv_cache_dtype}: "
+                "use use_kernel=False with a quantized cache (the gather path dequantizes)"
+            )
         self.use_kernel = use_kernel
         # One block more than the manager hands out: padding rows of a static decode plan
         # write and read there, never into a sequence's blocks.
         self.padding_block = num_blocks
         shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads)
         shape += (cfg.head_dim,)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        swap_shape = (shape[0], num_swap_blocks, *shape[2:])
+        store = dtype if self.quant is None else self.quant.dtype
+        scale_shape = (*shape[:-1], 1 if self.quant else 0)  # empty when not quantized
+        # Pools of codes and of their scales; each is copied, swapped and gathered alike.
+        self.pools = [torch.zeros(shape, dtype=store, device=device) for _ in "kv"]
+        self.pools += [torch.ones(scale_shape, device=device) for _ in "kv"]
+        self.k, self.v, self.k_scale, self.v_scale = self.pools
         pin = torch.device(device).type == "cuda"  # page-locked: copies overlap and run faster
-        self.k_swap = torch.zeros(swap_shape, dtype=dtype, pin_memory=pin)
-        self.v_swap = torch.zeros(swap_shape, dtype=dtype, pin_memory=pin)
+        self.swap_pools = [
+            torch.zeros((p.shape[0], num_swap_blocks, *p.shape[2:]), dtype=p.dtype, pin_memory=pin)
+            for p in self.pools
+        ]
         self.block_size = block_size
         self._static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.plan([], [])
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(p.nbytes for p in self.pools)
 
     def plan(
         self,
@@ -147,18 +156,17 @@ class PagedKVCache:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: copy every layer's K/V of block src into block dst."""
         for src, dst in pairs:
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            for pool in self.pools:
+                pool[:, dst] = pool[:, src]
 
     def swap(self, pairs: Sequence[tuple[int, int]], out: bool) -> None:
         """Copy blocks device -> CPU pool (`out`), or CPU pool -> device: (src, dst) pairs."""
         for src, dst in pairs:
-            if out:
-                self.k_swap[:, dst].copy_(self.k[:, src], non_blocking=True)
-                self.v_swap[:, dst].copy_(self.v[:, src], non_blocking=True)
-            else:
-                self.k[:, dst].copy_(self.k_swap[:, src], non_blocking=True)
-                self.v[:, dst].copy_(self.v_swap[:, src], non_blocking=True)
+            for pool, swap_pool in zip(self.pools, self.swap_pools, strict=True):
+                if out:
+                    swap_pool[:, dst].copy_(pool[:, src], non_blocking=True)
+                else:
+                    pool[:, dst].copy_(swap_pool[:, src], non_blocking=True)
         if pairs and self.k.is_cuda:
             torch.cuda.current_stream().synchronize()  # the CPU pool is reused at once
 
@@ -172,23 +180,46 @@ class PagedKVCache:
                 f"q {tuple(q.shape)} does not match the plan ({self.slot_mapping.numel()} "
                 "tokens in one row): call plan() before the forward"
             )
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        k_pool.flatten(0, 1)[self.slot_mapping] = k[0].transpose(0, 1).to(k_pool.dtype)
-        v_pool.flatten(0, 1)[self.slot_mapping] = v[0].transpose(0, 1).to(v_pool.dtype)
+        self.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
         outs, n = [], self.num_decode
         if n:
             q_dec = q[0, :, :n].transpose(0, 1)  # [n, heads, d]
             if self.use_kernel:
+                k_pool, v_pool = self.k[layer], self.v[layer]
                 out = paged_attention(q_dec, k_pool, v_pool, self.decode_tables, self.decode_lens)
             else:
-                pools = (k_pool, v_pool)
-                out = gathered(q_dec[:, :, None], *pools, self.decode_tables, self.decode_lens)
-                out = out[:, :, 0]
+                k_rows, v_rows = self.gather(layer, self.decode_tables, q.dtype)
+                out = attend(q_dec[:, :, None], k_rows, v_rows, self.decode_lens)[:, :, 0]
             outs.append(out.transpose(0, 1)[None])  # [1, heads, n, d]
         offset = n
         for table, start, length in self.chunks:
             q_chunk = q[:, :, offset : offset + length]
             positions = torch.arange(start, start + length, device=q.device)
-            outs.append(gathered(q_chunk, k_pool, v_pool, table, positions[None] + 1))
+            outs.append(attend(q_chunk, *self.gather(layer, table, q.dtype), positions[None] + 1))
             offset += length
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's k, v [N, kv_heads, d] at the planned slots (quantized, if the
+        cache is)."""
+        k_pool, v_pool = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
+        if self.quant is None:
+            k_pool[self.slot_mapping] = k.to(k_pool.dtype)
+            v_pool[self.slot_mapping] = v.to(v_pool.dtype)
+            return
+        k_scales, v_scales = self.k_scale[layer].flatten(0, 1), self.v_scale[layer].flatten(0, 1)
+        k_pool[self.slot_mapping], k_scales[self.slot_mapping] = self.quant.quantize(k)
+        v_pool[self.slot_mapping], v_scales[self.slot_mapping] = self.quant.quantize(v)
+
+    def gather(
+        self, layer: int, tables: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of each row's blocks, contiguous [rows, kv_heads, S, d], in `dtype`."""
+        k, v = gather_kv(self.k[layer], tables), gather_kv(self.v[layer], tables)
+        if self.quant is None:
+            return k, v
+        k_scale, v_scale = (
+            gather_kv(self.k_scale[layer], tables),
+            gather_kv(self.v_scale[layer], tables),
+        )
+        return self.quant.dequantize(k, k_scale, dtype), self.quant.dequantize(v, v_scale, dtype)

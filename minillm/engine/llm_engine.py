@@ -74,11 +74,12 @@ class Engine:
         preemption_mode: str = "recompute",
         num_swap_blocks: int | None = None,
         decode_mode: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
         on_gpu = model.lm_head.weight.is_cuda
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
-            use_kernel = on_gpu
+            use_kernel = on_gpu and kv_cache_dtype == "auto"  # the kernel reads unquantized K/V
         if decode_mode is None:  # decode steps: CUDA graphs on a GPU, plain Python on a CPU
             decode_mode = "cuda_graph" if on_gpu else "eager"
         self.context = model.config.max_position_embeddings
@@ -98,7 +99,13 @@ class Engine:
             preemption_mode,
         )
         self.runner = ModelRunner(
-            model, self.manager, use_kernel, num_swap_blocks, decode_mode, max_num_seqs
+            model,
+            self.manager,
+            use_kernel,
+            num_swap_blocks,
+            decode_mode,
+            max_num_seqs,
+            kv_cache_dtype,
         )
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()

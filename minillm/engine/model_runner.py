@@ -36,6 +36,7 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         decode_mode: str = "eager",
         max_batch: int = 32,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode={decode_mode!r}: use one of {DECODE_MODES}")
@@ -56,6 +57,7 @@ class ModelRunner:
             self.device,
             use_kernel,
             num_swap_blocks,
+            kv_cache_dtype,
         )
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

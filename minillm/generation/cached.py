@@ -42,17 +42,18 @@ def generate_naive(
 
 
 def prefill(
-    model: Transformer, prompts: list[list[int]], max_tokens: int
+    model: Transformer, prompts: list[list[int]], max_tokens: int, kv_cache_dtype: str = "auto"
 ) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
     """Run the prompts, right-padded into one batch, through the model once, filling a new
-    cache of longest + max_tokens slots. Returns (cache, each row's last logits [B, vocab],
-    each row's length [B]: where its next token goes); cache.kv_len = longest prompt."""
+    cache of longest + max_tokens slots (`kv_cache_dtype`: see `minillm.cache.kv_quant`).
+    Returns (cache, each row's last logits [B, vocab], each row's length [B]: where its
+    next token goes); cache.kv_len = longest prompt."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     for p in prompts:
         check_length(model, len(p), max_tokens)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     batch, longest = len(prompts), int(lengths.max())
-    cache = KVCache(model.config, batch, longest + max_tokens, dtype, device)
+    cache = KVCache(model.config, batch, longest + max_tokens, dtype, device, kv_cache_dtype)
     ids = torch.zeros(batch, longest, dtype=torch.long, device=device)  # padding: any id
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
