@@ -224,10 +224,15 @@ def quantize_model(
         if isinstance(mod, nn.Linear) and not name.endswith(keep)
     ]
     for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear(mod, scheme))
+        replace_module(model, name, QuantLinear(mod, scheme))
     return model
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the sub-module `name` of `root` is (e.g. 'model.layers.0.mlp.up_proj')."""
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
 
 
 def set_activation_quant(
