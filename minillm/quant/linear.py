@@ -257,12 +257,14 @@ def use_cpu_kernels(model: nn.Module) -> dict[str, str]:
 
 def weight_bytes(model: nn.Module, only_linear: bool = False) -> int:
     """Bytes of the model's weights as stored: quantized codes and scales for QuantLinear,
-    parameters elsewhere (a tied parameter counted once). `only_linear`: linear layers only
-    (the part quantization replaces)."""
+    parameters elsewhere (a tied parameter counted once; a module storing its weight in a
+    format of its own, like Fp8Linear, says its bytes in `weight_nbytes`). `only_linear`:
+    linear layers only (the part quantization replaces)."""
     total, seen = 0, set()
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
-            total += mod.weight_nbytes
+        stored = getattr(mod, "weight_nbytes", None)  # QuantLinear, Fp8Linear: as stored
+        if stored is not None:
+            total += stored
             continue
         if only_linear and not isinstance(mod, nn.Linear):
             continue
