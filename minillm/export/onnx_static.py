@@ -22,12 +22,14 @@ whole decode). ORT GenAI does the same with its own attention op
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minillm.export.onnx import add_metadata, export_module
@@ -70,6 +72,35 @@ class ScatterCache:
         return ((slots[None, :] <= own) & real) | (slots[None, :] == own)
 
 
+@contextlib.contextmanager
+def grouped_attention() -> Iterator[None]:
+    """Export `F.scaled_dot_product_attention(..., enable_gqa=True)` as attention per kv
+    head with its query heads stacked, instead of the exporter's translation, which first
+    repeats K and V up to the query heads: a copy of the whole cache per layer per step.
+
+    Query head h = g * n_rep + r uses kv head g, so q [B, H, T, d] viewed as
+    [B, kv_heads, n_rep * T, d] puts every query of kv head g against K[:, g] once."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is None or is_causal or dropout_p or attn_mask.dtype != torch.bool:
+            raise ValueError("grouped_attention exports the cached step: a boolean mask only")
+        B, H, T, D = q.shape
+        groups = k.shape[1]
+        rep = H // groups
+        qg = q.reshape(B, groups, rep * T, D)
+        mask = attn_mask.unsqueeze(2).expand(B, 1, rep, T, -1).reshape(B, 1, rep * T, -1)
+        scores = (qg @ k.transpose(-1, -2)) * (scale or D**-0.5)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        return (probs @ v).reshape(B, H, T, D)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 class StaticStepGraph(nn.Module):
     """(ids, positions, attention_mask, cache_position, cache buffers) -> (logits, buffers)."""
 
@@ -97,9 +128,10 @@ def static_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs + [f"past_{n}" for n in kv], ["logits", *(f"present_{n}" for n in kv)]
 
 
-def export_static_step(model: Transformer, path: str | Path) -> Path:
+def export_static_step(model: Transformer, path: str | Path, grouped: bool = True) -> Path:
     """Export the static-cache decoder step with dynamic batch, sequence and
-    max_sequence axes (checked by `check_onnx`)."""
+    max_sequence axes (checked by `check_onnx`); `grouped`: attention per kv head
+    (`grouped_attention`), no repeated copy of K/V."""
     cfg, n = model.config, model.config.num_hidden_layers
     inputs, outputs = static_names(n)
     batch, seq, slots = 2, 3, 8  # distinct sizes, so no axis is mistaken for another
@@ -118,7 +150,8 @@ def export_static_step(model: Transformer, path: str | Path) -> Path:
     d = torch.export.Dim.DYNAMIC
     kv_dims = {0: d, 2: d}
     dynamic = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, {0: d}, [(kv_dims, kv_dims)] * n)
-    export_module(StaticStepGraph(model), example, path, inputs, outputs, dynamic)
+    with grouped_attention() if grouped else contextlib.nullcontext():
+        export_module(StaticStepGraph(model), example, path, inputs, outputs, dynamic)
     axes: dict[str, dict[int, str]] = {
         "input_ids": {0: "batch", 1: "sequence"},
         "attention_mask": {0: "batch", 1: "max_sequence"},

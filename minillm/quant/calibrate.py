@@ -1,4 +1,9 @@
-"""INT8 post-training calibration, built small: what TensorRT's calibrator does.
+"""INT8 post-training calibration, built small: what TensorRT's implicit calibrators did.
+
+TensorRT 10 deprecated implicit calibration (an `IInt8Calibrator` picking ranges while the
+engine builds). Today the scales are chosen first, as here, and written into the ONNX
+graph as explicit QuantizeLinear/DequantizeLinear pairs (NVIDIA ModelOpt's output, and
+`minillm.export.qdq.export_qdq` with these scales); FP8 goes the same way.
 
 TensorRT runs int8 GEMMs on activations x and weights W: x ~ scale_x * round(x / scale_x),
 W ~ scale_w * round(W / scale_w). Weights are known ahead of time (one scale per output
