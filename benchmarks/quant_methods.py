@@ -5,6 +5,8 @@ SmoothQuant, FP8; plus the activation outliers of the model that motivate W8A8's
     python -m benchmarks.quant_methods [--model bundled] [--group G] [--windows N]
                                        [--quick] [--threads N] [--json out.json]
 
+SmoothQuant rows for each `--alphas` value (default 0.5 and 0.8).
+
 `--model`: 'bundled' (default; trained, so perplexity means something), a local HF
 directory, or 'smollm2' once that model name exists. Calibration: KJV *training* text
 (`calibration_batches`); scoring: the held-out KJV text (`held_out_ids`), both through the
@@ -47,7 +49,7 @@ from minillm.training import held_out_ids, next_token_agreement, perplexity
 WINDOW = 256
 
 
-def methods(g: int, alpha: float) -> dict[str, tuple[str, Callable[..., nn.Module]]]:
+def methods(g: int, alphas: list[float]) -> dict[str, tuple[str, Callable[..., nn.Module]]]:
     """name -> (speed format, build(model, batches)). Each build gets its own copy."""
 
     def w8a8(act: str) -> Callable[..., nn.Module]:
@@ -58,7 +60,15 @@ def methods(g: int, alpha: float) -> dict[str, tuple[str, Callable[..., nn.Modul
 
         return build
 
+    def smooth(alpha: float, act: str) -> Callable[..., nn.Module]:
+        return lambda m, b: smoothquant_model(m, b, alpha, act)
+
     s = f"int4-g{g}"
+    sq = {
+        f"SmoothQuant a={a} per-{act}": ("-", smooth(a, act))
+        for act in ("tensor", "token")
+        for a in alphas
+    }
     return {
         "fp32": ("fp32", lambda m, b: m),
         f"RTN int4 g{g}": (s, lambda m, b: quantize_model(m, s)),
@@ -68,14 +78,7 @@ def methods(g: int, alpha: float) -> dict[str, tuple[str, Callable[..., nn.Modul
         "RTN int8 (weights)": ("int8", lambda m, b: quantize_model(m, "int8")),
         "W8A8 per-tensor": ("-", w8a8("tensor")),
         "W8A8 per-token": ("-", w8a8("token")),
-        f"SmoothQuant a={alpha} per-tensor": (
-            "-",
-            lambda m, b: smoothquant_model(m, b, alpha, "tensor"),
-        ),
-        f"SmoothQuant a={alpha} per-token": (
-            "-",
-            lambda m, b: smoothquant_model(m, b, alpha, "token"),
-        ),
+        **sq,
         "FP8 e4m3 W(ch)+A(tensor)": ("-", lambda m, b: fp8_quantize_model(m, "e4m3", True, "e4m3")),
         "FP8 e4m3 W(tensor)+A(tensor)": (
             "-",
@@ -119,7 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled")
     ap.add_argument("--group", type=int, default=None, help="int4 group size")
-    ap.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant's migration strength")
+    ap.add_argument(
+        "--alphas", type=float, nargs="+", default=[0.5, 0.8], help="SmoothQuant's strengths"
+    )
     ap.add_argument("--windows", type=int, default=None, help="held-out windows of 256 tokens")
     ap.add_argument("--calib", type=int, default=4, help="calibration batches of 4 x 256 tokens")
     ap.add_argument("--quick", action="store_true", help="fewer windows and timing rounds")
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     base_ppl = perplexity(base, ids, **kw)
     print(f"\n  {'method':<32}{'linear W':>10}{'ppl':>9}{'d ppl':>9}{'agree':>8}{'decode':>8}")
-    for label, (fmt, build) in methods(g, args.alpha).items():
+    for label, (fmt, build) in methods(g, args.alphas).items():
         t0 = time.perf_counter()
         model = build(copy.deepcopy(base), batches)
         built_s = time.perf_counter() - t0
@@ -181,15 +186,24 @@ def recovered(rows: dict[str, Any], method: str, rtn: str) -> float:
 def summary(result: dict[str, Any]) -> str:
     rows, g = result["rows"], result["group"]
     rtn = f"RTN int4 g{g}"
-    sq = [k for k in rows if k.startswith("SmoothQuant") and k.endswith("per-tensor")][0]
+    best = {
+        act: min(
+            (k for k in rows if k.startswith("SmoothQuant") and k.endswith(act)),
+            key=lambda k: rows[k]["ppl"],
+        )
+        for act in ("per-tensor", "per-token")
+    }
     parts = [
         f"int4 g{g} ppl delta RTN {100 * rows[rtn]['ppl_delta']:+.2f}%, "
         f"GPTQ {100 * rows[f'GPTQ int4 g{g}']['ppl_delta']:+.2f}% "
         f"(recovers {recovered(rows, f'GPTQ int4 g{g}', rtn):.0%}), "
         f"AWQ {100 * rows[f'AWQ int4 g{g}']['ppl_delta']:+.2f}% "
         f"(recovers {recovered(rows, f'AWQ int4 g{g}', rtn):.0%})",
-        f"W8A8 per-tensor {100 * rows['W8A8 per-tensor']['ppl_delta']:+.2f}% -> SmoothQuant "
-        f"{100 * rows[sq]['ppl_delta']:+.2f}%",
+        *(
+            f"W8A8 {act} {100 * rows[f'W8A8 {act}']['ppl_delta']:+.2f}% -> {best[act]} "
+            f"{100 * rows[best[act]]['ppl_delta']:+.2f}%"
+            for act in ("per-tensor", "per-token")
+        ),
         f"FP8 e4m3 {100 * rows['FP8 e4m3 W(ch)+A(tensor)']['ppl_delta']:+.2f}%",
         f"outlier ratio max {result['outliers']['max_ratio']:.0f}",
     ]

@@ -14,8 +14,11 @@ the search can only do as well or better on the calibration tokens. As in the pa
 code, blocks are processed in order, each calibrated on the outputs of the scaled (not
 yet quantized) blocks before it; every linear is then rounded to nearest.
 
-Left out, and said here: AWQ's second search over a clipping range per weight group, and
-the loss on a whole attention/MLP output (here: the outputs of the linears themselves).
+Then AWQ's second search (`awq_clip`): per weight group, the clipping range (a shrink of
+its absmax by 0-50%) whose rounded weights give the group's partial outputs x_g w_g^T the
+least error. Like the paper's code it skips q_proj and k_proj, whose errors pass through
+the softmax. Left out, and said here: the loss on a whole attention/MLP output (here:
+the outputs of the linears themselves).
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ import torch
 from minillm.model.transformer import Transformer
 from minillm.quant.formats import quantize_int4
 from minillm.quant.linear import Scheme, parse_scheme, quantize_model
-from minillm.quant.sequential import calibration_states, capture_inputs, run_block
+from minillm.quant.sequential import (
+    block_linears,
+    calibration_states,
+    capture_inputs,
+    run_block,
+)
 from minillm.quant.smoothing import fold_scales, group_weight, scale_groups
 
 
@@ -58,6 +66,37 @@ def awq_search(
     return best[1], best[0], errors
 
 
+def awq_clip(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_size: int,
+    symmetric: bool = False,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+) -> torch.Tensor:
+    """w [out, in] with each group clamped to +-(1 - k / n_grid) * its absmax, the k
+    (shrinking by at most `max_shrink`) whose quantized group best reproduces the group's
+    partial outputs on input rows x [n, in]."""
+    out_f, in_f = w.shape
+    n_groups = in_f // group_size
+    xg = x.float().view(-1, n_groups, group_size).transpose(0, 1)  # [groups, n, g]
+    wg = w.float().view(out_f, n_groups, group_size).transpose(0, 1)  # [groups, out, g]
+    ref = xg @ wg.transpose(1, 2)  # [groups, n, out]: each group's partial outputs
+    absmax = wg.abs().amax(-1, keepdim=True)  # [groups, out, 1]
+    best_err = torch.full((n_groups, out_f), float("inf"))
+    best_max = absmax.clone()
+    for k in range(int(max_shrink * n_grid)):
+        limit = absmax * (1 - k / n_grid)
+        clipped = wg.clamp(-limit, limit).transpose(0, 1).reshape(out_f, in_f)
+        q = quantize_int4(clipped, group_size, symmetric).dequantize()
+        qg = q.view(out_f, n_groups, group_size).transpose(0, 1)
+        err = (xg @ qg.transpose(1, 2) - ref).pow(2).mean(1)  # [groups, out]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better[..., None], limit, best_max)
+    return wg.clamp(-best_max, best_max).transpose(0, 1).reshape(out_f, in_f).to(w.dtype)
+
+
 def _rows(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
     """At most `max_tokens` rows of x, evenly spread (the search's cost is linear in it)."""
     if len(x) <= max_tokens:
@@ -72,9 +111,11 @@ def awq_smooth(
     scheme: str | Scheme = "int4-g128",
     n_grid: int = 20,
     max_tokens: int = 4096,
+    clip: bool = False,
 ) -> dict[str, float]:
     """Search AWQ's scales for every scale group of every block and fold them into the
-    model, in place, without quantizing (the float model computes the same function).
+    model, in place, without quantizing: the float model computes the same function
+    (unless `clip`, which then also clamps the weights by `awq_clip`, on 512 tokens).
     Returns the chosen alpha per group ('layers.0.input_layernorm': 0.45, ...)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     if scheme.kind != "int4":
@@ -93,6 +134,13 @@ def awq_smooth(
             )
             fold_scales(block, group, s)
             alphas[f"layers.{i}.{group.prev}"] = alpha
+        if clip:
+            names = [n for n in block_linears(block) if not n.endswith(("q_proj", "k_proj"))]
+            scaled = capture_inputs(block, calib, names)  # the inputs after folding
+            for name in names:
+                lin = block.get_submodule(name)
+                x = _rows(scaled[name], 512)
+                lin.weight.copy_(awq_clip(x, lin.weight, scheme.group_size, scheme.symmetric))
         run_block(block, calib)
     return alphas
 
@@ -104,7 +152,8 @@ def awq_quantize_model(
     n_grid: int = 20,
     max_tokens: int = 4096,
 ) -> Transformer:
-    """AWQ: fold the searched scales (`awq_smooth`), then round every block linear to
-    nearest in `scheme` (lm_head kept, as `quantize_model` does). In place; returns it."""
-    awq_smooth(model, batches, scheme, n_grid, max_tokens)
+    """AWQ: fold the searched scales and clip the weights (`awq_smooth(clip=True)`), then
+    round every block linear to nearest in `scheme` (lm_head kept, as `quantize_model`
+    does). In place; returns it."""
+    awq_smooth(model, batches, scheme, n_grid, max_tokens, clip=True)
     return quantize_model(model, scheme)
