@@ -8,7 +8,9 @@ onnxruntime-genai is installed.
 
 (a) speed: `--steps` decode steps after a `--context`-token prompt, batch 1, the same
     work in every timed call (each variant restarts from the same prefilled cache), all
-    variants A/B interleaved; ratios to the plain loop (> 1: faster). `--model`:
+    variants A/B interleaved; ratios to the plain loop (> 1: faster). IOBinding twice:
+    with the exporter's grouped-query attention (K/V repeated per query head, a copy of
+    the cache per step) and with `grouped_attention` (no copy). `--model`:
     'bundled-1k' (the bundled model's shapes with a 1024-token context, random weights:
     the bundled model itself stops at 256 positions), or a shape name of
     `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB).
@@ -40,7 +42,9 @@ from minillm.model import Transformer, random_model, save_model
 from minillm.model.weights import load_config
 from minillm.training import held_out_ids, perplexity
 
-PLAIN, STATIC, GENAI = "ORT loop (concat)", "ORT IOBinding (static)", "ORT GenAI"
+PLAIN, GENAI = "ORT loop (concat)", "ORT GenAI"
+STATIC_REPEAT = "IOBinding, K/V repeated"  # the exporter's GQA: repeats K/V per query head
+STATIC = "IOBinding, grouped"  # attention per kv head: no copy of the cache at all
 
 
 def speed_model(name: str) -> Transformer:
@@ -70,23 +74,25 @@ def speed_fns(
             pos = pos + 1
         return logits
 
-    static = OrtStaticDecoder(
-        ort_session(export_static_step(model, workdir / "static.onnx"), threads=threads),
-        max_len=context + steps,
-    )
-    static.allocate(1)
-    smask = np.zeros((1, context + steps), np.int64)
-    smask[:, :context] = 1
-    static.step(np.array([prompt]), np.arange(context)[None], smask, np.arange(context))
+    def static_fn(grouped: bool) -> Callable[[], Any]:
+        path = export_static_step(model, workdir / f"static{int(grouped)}.onnx", grouped)
+        static = OrtStaticDecoder(ort_session(path, threads=threads), max_len=context + steps)
+        static.allocate(1)
+        smask = np.zeros((1, context + steps), np.int64)
+        smask[:, :context] = 1
+        static.step(np.array([prompt]), np.arange(context)[None], smask, np.arange(context))
 
-    def run_static() -> Any:
-        mask = smask.copy()
-        for i in range(steps):
-            mask[:, context + i] = 1
-            logits = static.step(token, np.array([[context + i]]), mask, np.array([context + i]))
-        return logits
+        def run_static() -> Any:
+            mask = smask.copy()
+            for i in range(steps):
+                mask[:, context + i] = 1
+                slot = np.array([context + i])
+                logits = static.step(token, slot[None], mask, slot)
+            return logits
 
-    fns = {PLAIN: run_plain, STATIC: run_static}
+        return run_static
+
+    fns = {PLAIN: run_plain, STATIC_REPEAT: static_fn(False), STATIC: static_fn(True)}
     if genai_missing() is None:
         hf = save_model(model, workdir / "hf")
         # The builder insists on tokenizer files (it copies them next to the graph); we
@@ -173,7 +179,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     s = result["speedup"]
-    line = f"SUMMARY ort_iobinding {args.model}: decode@{args.context} IOBinding {s[STATIC]:.2f}x"
+    line = (
+        f"SUMMARY ort_iobinding {args.model}: decode@{args.context} IOBinding "
+        f"{s[STATIC]:.2f}x (K/V repeated {s[STATIC_REPEAT]:.2f}x)"
+    )
     if GENAI in s:
         line += f", GenAI {s[GENAI]:.2f}x"
     line += f" the plain loop; tokens equal {all(result['tokens_equal'].values())}"
