@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="8 held-out windows")
+    ap.add_argument(
+        "--library-only", action="store_true", help="skip our GPTQ/AWQ (quant_methods has them)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -135,12 +138,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = held_out_ids(tok)
     kw = {"window": 256, "max_windows": 8 if args.quick else args.windows}
     scheme = f"int4-g{g}"
-    models = {
-        "fp32": base,
-        f"RTN {scheme}": quantize_model(copy.deepcopy(base), scheme),
-        f"GPTQ {scheme} (ours)": gptq_quantize_model(copy.deepcopy(base), batches, scheme),
-        f"AWQ {scheme} (ours)": awq_quantize_model(copy.deepcopy(base), batches, scheme),
-    }
+    models = {"fp32": base, f"RTN {scheme}": quantize_model(copy.deepcopy(base), scheme)}
+    if not args.library_only:
+        models[f"GPTQ {scheme} (ours)"] = gptq_quantize_model(copy.deepcopy(base), batches, scheme)
+        models[f"AWQ {scheme} (ours)"] = awq_quantize_model(copy.deepcopy(base), batches, scheme)
     notes = {}
     with tempfile.TemporaryDirectory() as tmp:
         calib = Path(tmp) / "calib.pt"
