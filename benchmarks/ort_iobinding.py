@@ -185,7 +185,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if GENAI in s:
         line += f", GenAI {s[GENAI]:.2f}x"
-    line += f" the plain loop; tokens equal {all(result['tokens_equal'].values())}"
+    exact = all(same for name, same in result["tokens_equal"].items() if "int4" not in name)
+    line += f" the plain loop; fp32 runtimes' greedy tokens equal minillm's: {exact}"
+    if f"{GENAI} int4" in result["ppl"]:
+        delta = result["ppl"][f"{GENAI} int4"] / result["ppl"]["minillm"] - 1
+        line += f"; GenAI int4 ppl {100 * delta:+.2f}%"
     print(line)
     return result
 

@@ -94,13 +94,11 @@ def measure(models: dict[str, nn.Module], batch: int, context: int, repeats: int
     }
     ratios = time_ratios(steps, "fp32", repeats=repeats, warmup=2)
     split = {name: profile_split(fn, repeats=3, warmup=1) for name, fn in steps.items()}
-    fp32_s = split["fp32"].wall_s
     rows = {}
     for name, fn in steps.items():
         s = split[name]
         rows[name] = {
             "speedup": 1 / ratios[name],
-            "tok_s_this_run": batch / (fp32_s * ratios[name]),
             "bytes": step_bytes(models[name]),
             "kernel": s.kernel_fraction,
             "framework": s.framework_s / s.wall_s,
@@ -112,12 +110,12 @@ def measure(models: dict[str, nn.Module], batch: int, context: int, repeats: int
 
 def print_rows(rows: dict[str, Any], batch: int) -> None:
     print(f"\nbatch {batch}: decode tok/s as a ratio to fp32 (A/B interleaved, same run)")
-    head = f"{'format':<18}{'x fp32':>8}{'tok/s':>8}{'W read':>10}{'kernel':>8}{'fwk':>6}"
+    head = f"{'format':<18}{'x fp32':>8}{'W read':>10}{'kernel':>8}{'fwk':>6}"
     print(head + f"{'py':>6}  top kernels (share of kernel time)")
     for name, r in rows.items():
         tops = ", ".join(f"{k.removeprefix('aten::')} {v:.0%}" for k, v in r["top_kernels"].items())
         print(
-            f"{name:<18}{r['speedup']:>8.2f}{r['tok_s_this_run']:>8.1f}"
+            f"{name:<18}{r['speedup']:>8.2f}"
             f"{format_bytes(r['bytes']):>10}{r['kernel']:>8.0%}{r['framework']:>6.0%}"
             f"{r['python']:>6.0%}  {tops}"
         )
