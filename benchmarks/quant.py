@@ -175,16 +175,20 @@ def ort_int8(model: Transformer, workdir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- decode step
 
 
-def decode_step(model: nn.Module, cfg: ModelConfig, context: int = 64) -> Callable[[], Any]:
-    """One cached decode step at position `context` (the first `context` slots prefilled)."""
-    ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=torch.Generator())
+def decode_step(
+    model: nn.Module, cfg: ModelConfig, context: int = 64, batch: int = 1
+) -> Callable[[], Any]:
+    """One cached decode step of `batch` sequences at position `context` (the first
+    `context` slots prefilled)."""
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, cfg.vocab_size, (batch, context + 1), generator=g)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    cache = KVCache(cfg, 1, context + 1, dtype=dtype)
+    cache = KVCache(cfg, batch, context + 1, dtype=dtype)
     with torch.inference_mode():
         cache.kv_len = context
         model(ids[:, :context], cache=cache)
     cache.kv_len = context + 1
-    pos = torch.tensor([[context]])
+    pos = torch.full((batch, 1), context)
 
     @torch.inference_mode()
     def step() -> Any:

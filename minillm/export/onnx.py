@@ -260,7 +260,7 @@ def export_forward(
             opset_version=opset_version,
             unoptimized_path=unoptimized_path,
         )
-    _add_metadata(path, model, FORWARD_AXES)
+    add_metadata(path, model, FORWARD_AXES)
     check_onnx(path, dynamic=FORWARD_AXES)
     return Path(path)
 
@@ -304,12 +304,12 @@ def export_decoder_step(
         [(kv_shape, kv_shape) for _ in range(n)],
     )
     export_module(DecoderStepGraph(model), example, path, inputs, outputs, dynamic_shapes)
-    _add_metadata(path, model, axes)
+    add_metadata(path, model, axes)
     check_onnx(path, dynamic=axes)
     return Path(path)
 
 
-def _add_metadata(
+def add_metadata(
     path: str | Path, model: Transformer, axes: Mapping[str, Mapping[int, str]]
 ) -> None:
     """Name the dynamic axes (the exporter calls them s0, s1, ...) and store what a

@@ -73,7 +73,8 @@ def ort_logits_fn(session: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return logits
 
 
-def _metadata(session: Any) -> dict[str, Any]:
+def graph_metadata(session: Any) -> dict[str, Any]:
+    """The `minillm.*` entries `add_metadata` stored in the graph (eos_token_id, ...)."""
     import ast
 
     props = session.get_modelmeta().custom_metadata_map
@@ -103,7 +104,7 @@ class OrtDecoder:
             )
         _, kv_heads, _, head_dim = inputs["past_key_0"].shape
         self.kv_heads, self.head_dim = int(kv_heads), int(head_dim)
-        meta = _metadata(session)
+        meta = graph_metadata(session)
         self.eos = eos_token_id if eos_token_id is not None else meta.get("eos_token_id")
         self.max_positions = meta.get("max_position_embeddings")
         self.dtype = np.float16 if "float16" in inputs["past_key_0"].type else np.float32

@@ -283,3 +283,20 @@ def ops_per_forward(model: nn.Module, ids: torch.Tensor) -> dict[str, int]:
     ops = count_ops(lambda: model(ids))
     gemms = sum(n for name, n in ops.items() if name in GEMM_OPS)
     return {"ops": sum(ops.values()), "compute_ops": compute_ops(ops), "gemms": gemms}
+
+
+def kernel_shares(fn: Callable[[], Any], top: int = 4, repeats: int = 3) -> dict[str, float]:
+    """The `top` compute kernels (innermost compute ops, as `profile_split` counts them)
+    by their share of all kernel self time over `repeats` calls: which op a variant's
+    time goes to ('aten::mm': 0.62, ...)."""
+    fn()
+    memo: dict[int, bool] = {}
+    totals: Counter[str] = Counter()
+    with _quiet_stderr(), torch.profiler.profile() as prof:
+        for _ in range(repeats):
+            fn()
+    for e in prof.events():
+        if _is_kernel(e, memo):
+            totals[e.name] += e.self_cpu_time_total
+    whole = sum(totals.values()) or 1.0
+    return {name: t / whole for name, t in totals.most_common(top)}

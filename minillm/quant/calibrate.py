@@ -1,4 +1,9 @@
-"""INT8 post-training calibration, built small: what TensorRT's calibrator does.
+"""INT8 post-training calibration, built small: what TensorRT's implicit calibrators did.
+
+TensorRT 10 deprecated implicit calibration (an `IInt8Calibrator` picking ranges while the
+engine builds). Today the scales are chosen first, as here, and written into the ONNX
+graph as explicit QuantizeLinear/DequantizeLinear pairs (NVIDIA ModelOpt's output, and
+`minillm.export.qdq.export_qdq` with these scales); FP8 goes the same way.
 
 TensorRT runs int8 GEMMs on activations x and weights W: x ~ scale_x * round(x / scale_x),
 W ~ scale_w * round(W / scale_w). Weights are known ahead of time (one scale per output
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.quant.linear import replace_module
 from minillm.training.evaluate import next_token_agreement, perplexity
 
 QMAX = 127  # symmetric int8: -127..127 (TensorRT does not use -128)
@@ -238,12 +244,10 @@ def fake_quantize_model(model: nn.Module, scales: dict[str, float] | None) -> nn
     q = copy.deepcopy(model)
     names = list(scales) if scales is not None else list(_linears(q, ()))
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = q.get_submodule(parent_name) if parent_name else q
-        linear = getattr(parent, child)
+        linear = q.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{name} is {type(linear).__name__}, not nn.Linear: recalibrate")
-        setattr(parent, child, FakeQuantLinear(linear, None if scales is None else scales[name]))
+        replace_module(q, name, FakeQuantLinear(linear, None if scales is None else scales[name]))
     return q
 
 

@@ -117,7 +117,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
-def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+def split_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """[out, in] -> [out, in / group_size, group_size], naming the fix if it does not divide."""
     _check_2d(w)
     out_f, in_f = w.shape
@@ -157,23 +157,36 @@ class Int4Weight:
         return sum(t.nbytes for t in parts if t is not None)
 
 
+def int4_group_params(
+    g: torch.Tensor, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (fp16, as stored) and zero point (float codes, None if `symmetric`) of each
+    group of `g` [..., group_size]: min..max (0 kept inside) onto codes 0..15, or absmax
+    onto -7..7. GPTQ and AWQ pick their grids with this same function."""
+    if symmetric:
+        return (g.abs().amax(-1) / 7).clamp(min=1e-8).half(), None
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).half()
+    return scale, (-lo / scale.float()).round().clamp(0, 15)
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """Codes 0..15 (float) of `w` on the grid of `int4_group_params` (scale and zero
+    broadcast against `w`; symmetric codes -7..7 are stored offset by 8)."""
+    s = scale.float()
+    if zero is None:
+        return (w / s).round().clamp(-7, 7) + 8
+    return (w / s + zero).round().clamp(0, 15)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> Int4Weight:
     """Group-wise INT4 of a weight [out, in]: each run of `group_size` inputs of a row gets
     its own scale (and zero point unless `symmetric`: codes -7..7 stored as 1..15)."""
-    g = _groups(w.float(), group_size)
-    if symmetric:
-        scale = (g.abs().amax(-1) / 7).clamp(min=1e-8).half()
-        q = (g / scale.float()[..., None]).round().clamp(-7, 7) + 8
-        zero = None
-    else:
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).half()
-        s = scale.float()
-        zero = (-lo / s).round().clamp(0, 15)
-        q = (g / s[..., None] + zero[..., None]).round().clamp(0, 15)
-        zero = zero.to(torch.uint8)
+    g = split_groups(w.float(), group_size)
+    scale, zero = int4_group_params(g, symmetric)
+    q = int4_codes(g, scale[..., None], None if zero is None else zero[..., None])
     packed = pack_int4(q.to(torch.uint8).view(w.shape))
-    return Int4Weight(packed, scale, zero, group_size)
+    return Int4Weight(packed, scale, None if zero is None else zero.to(torch.uint8), group_size)
 
 
 def _nf4_pairs(device: torch.device) -> torch.Tensor:
@@ -220,7 +233,7 @@ class NF4Weight:
 def quantize_nf4(w: torch.Tensor, block_size: int = 64, double_quant: bool = False) -> NF4Weight:
     """NF4 of a weight [out, in] with one absmax per `block_size` inputs (bitsandbytes'
     default 64); `double_quant` stores those absmax as int8 (QLoRA's double quantization)."""
-    g = _groups(w.float(), block_size)
+    g = split_groups(w.float(), block_size)
     absmax = g.abs().amax(-1).clamp(min=1e-12)
     normed = g / absmax[..., None]
     # nearest code: compare with the 15 midpoints between neighbouring codes

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.quant.cpu_kernels import Int4Kernel, Int8Kernel, int4_skip_reason, int8_skip_reason
 from minillm.quant.formats import (
     Int4Weight,
     NF4Weight,
@@ -70,9 +71,15 @@ class QuantLinear(nn.Module):
     (LLM.int8()'s mixed-precision decomposition).
     """
 
-    def __init__(self, linear: nn.Linear, scheme: str | Scheme) -> None:
+    def __init__(
+        self, linear: nn.Linear, scheme: str | Scheme, quantized: Int4Weight | None = None
+    ) -> None:
+        """`quantized`: codes already chosen by a smarter quantizer (GPTQ) for `linear`'s
+        weight, stored as they are instead of rounding the weight to nearest."""
         super().__init__()
         self.scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+        if quantized is not None:
+            _check_matches(quantized, self.scheme, linear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         self.dtype = w.dtype
@@ -87,11 +94,12 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale", scale)
             self.register_buffer("zero", zero)
         else:  # every tensor a buffer, so .to(device) moves them
-            qw = (
-                quantize_int4(w, s.group_size, s.symmetric)
-                if s.kind == "int4"
-                else quantize_nf4(w, s.group_size, s.double_quant)
-            )
+            if quantized is not None:
+                qw: Int4Weight | NF4Weight = quantized
+            elif s.kind == "int4":
+                qw = quantize_int4(w, s.group_size, s.symmetric)
+            else:
+                qw = quantize_nf4(w, s.group_size, s.double_quant)
             for field in fields(qw):
                 value = getattr(qw, field.name)
                 if isinstance(value, torch.Tensor) or value is None:
@@ -100,6 +108,24 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.act: str | None = None
         self.outlier_threshold: float | None = None
+        self.kernel: Int8Kernel | Int4Kernel | None = None  # set by use_cpu_kernel
+
+    def use_cpu_kernel(self) -> str | None:
+        """Run this layer on torch's CPU int8 / int4 kernel from now on (see
+        `minillm.quant.cpu_kernels`); returns why not (and changes nothing) where the
+        kernel does not apply to the scheme or shape."""
+        s = self.scheme
+        if s.kind == "nf4":
+            return "NF4 has no CPU kernel in torch (a table lookup, not an affine grid)"
+        if s.kind == "int8":
+            reason = int8_skip_reason(self.qweight, self.scale, self.zero)
+        else:
+            reason = int4_skip_reason(self.qw)
+        if reason is None:
+            self.kernel = (
+                Int8Kernel(self.qweight, self.scale) if s.kind == "int8" else (Int4Kernel(self.qw))
+            )
+        return reason
 
     @property
     def qw(self) -> Int4Weight | NF4Weight:
@@ -125,6 +151,9 @@ class QuantLinear(nn.Module):
         return self.qw.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.act is None:
+            y = self.kernel(x)
+            return y if self.bias is None else y + self.bias
         w = self.dequantized_weight()
         if self.act is None:
             return F.linear(x, w, self.bias)
@@ -132,6 +161,23 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+def _check_matches(qw: Int4Weight, scheme: Scheme, linear: nn.Linear) -> None:
+    """A precomputed Int4Weight must be what `scheme` would store for `linear`."""
+    shape = (linear.out_features, linear.in_features // 2)
+    symmetric = qw.zero is None
+    if (
+        scheme.kind != "int4"
+        or qw.group_size != scheme.group_size
+        or symmetric != scheme.symmetric
+        or tuple(qw.packed.shape) != shape
+    ):
+        raise ValueError(
+            f"the precomputed Int4Weight (group {qw.group_size}, symmetric={symmetric}, packed "
+            f"{tuple(qw.packed.shape)}) does not fit scheme {scheme} on a linear of packed "
+            f"shape {shape}: quantize with the scheme's group size and symmetry"
+        )
 
 
 def fake_quant_activations(
@@ -178,10 +224,15 @@ def quantize_model(
         if isinstance(mod, nn.Linear) and not name.endswith(keep)
     ]
     for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear(mod, scheme))
+        replace_module(model, name, QuantLinear(mod, scheme))
     return model
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the sub-module `name` of `root` is (e.g. 'model.layers.0.mlp.up_proj')."""
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
 
 
 def set_activation_quant(
@@ -194,14 +245,26 @@ def set_activation_quant(
             mod.act, mod.outlier_threshold = granularity, outlier_threshold
 
 
+def use_cpu_kernels(model: nn.Module) -> dict[str, str]:
+    """Switch every QuantLinear of `model` to torch's CPU kernel where it applies; returns
+    {layer name: why not} for the layers left on dequantize-then-matmul."""
+    skipped = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear) and (reason := mod.use_cpu_kernel()) is not None:
+            skipped[name] = reason
+    return skipped
+
+
 def weight_bytes(model: nn.Module, only_linear: bool = False) -> int:
     """Bytes of the model's weights as stored: quantized codes and scales for QuantLinear,
-    parameters elsewhere (a tied parameter counted once). `only_linear`: linear layers only
-    (the part quantization replaces)."""
+    parameters elsewhere (a tied parameter counted once; a module storing its weight in a
+    format of its own, like Fp8Linear, says its bytes in `weight_nbytes`). `only_linear`:
+    linear layers only (the part quantization replaces)."""
     total, seen = 0, set()
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
-            total += mod.weight_nbytes
+        stored = getattr(mod, "weight_nbytes", None)  # QuantLinear, Fp8Linear: as stored
+        if stored is not None:
+            total += stored
             continue
         if only_linear and not isinstance(mod, nn.Linear):
             continue

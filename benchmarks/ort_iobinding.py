@@ -1,0 +1,198 @@
+"""Chapter 03 benchmark: ONNX Runtime decoding as production runs it. The plain loop
+(`OrtDecoder`: past ++ new concatenated every step, numpy in and out) against IOBinding on
+a static cache written in place (`OrtStaticDecoder`), and ORT GenAI's own generator where
+onnxruntime-genai is installed.
+
+    python -m benchmarks.ort_iobinding [--model bundled-1k] [--context 512] [--steps 16]
+                                       [--quick] [--threads N] [--json out.json]
+
+(a) speed: `--steps` decode steps after a `--context`-token prompt, batch 1, the same
+    work in every timed call (each variant restarts from the same prefilled cache), all
+    variants A/B interleaved; ratios to the plain loop (> 1: faster). IOBinding twice:
+    with the exporter's grouped-query attention (K/V repeated per query head, a copy of
+    the cache per step) and with `grouped_attention` (no copy). `--model`:
+    'bundled-1k' (the bundled model's shapes with a 1024-token context, random weights:
+    the bundled model itself stops at 256 positions), or a shape name of
+    `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB).
+(b) correctness and quality on the bundled model (trained weights): greedy tokens of the
+    plain loop, IOBinding, minillm (and ORT GenAI fp32 / int4), held-out perplexity.
+One SUMMARY line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from minillm import BUNDLED_DIR, SamplingParams, generate, load_model, load_tokenizer
+from minillm.export.onnx import export_decoder_step
+from minillm.export.onnx_runtime import OrtDecoder, ort_logits_fn, ort_session
+from minillm.export.onnx_static import OrtStaticDecoder, export_static_step
+from minillm.export.ort_genai import GenaiDecoder, build_genai_model, genai_missing
+from minillm.lab import paired_ratios, time_samples
+from minillm.model import Transformer, random_model, save_model
+from minillm.model.weights import load_config
+from minillm.training import held_out_ids, perplexity
+
+PLAIN, GENAI = "ORT loop (concat)", "ORT GenAI"
+STATIC_REPEAT = "IOBinding, K/V repeated"  # the exporter's GQA: repeats K/V per query head
+STATIC = "IOBinding, grouped"  # attention per kv head: no copy of the cache at all
+
+
+def speed_model(name: str) -> Transformer:
+    if name == "bundled-1k":
+        cfg = load_config(BUNDLED_DIR).to_hf() | {"max_position_embeddings": 1024}
+        return random_model(cfg)
+    return random_model(name)
+
+
+def speed_fns(
+    model: Transformer, workdir: Path, context: int, steps: int, threads: int
+) -> dict[str, Callable[[], Any]]:
+    """Each callable runs `steps` greedy-free decode steps (fixed token) after `context`."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, model.config.vocab_size, (context,), generator=g).tolist()
+    plain = OrtDecoder(
+        ort_session(export_decoder_step(model, workdir / "step.onnx"), threads=threads)
+    )
+    _, pos0, mask0, past0 = plain.prefill([prompt])
+    token = np.array([[7]], np.int64)
+
+    def run_plain() -> Any:
+        mask, past, pos = mask0, past0, pos0
+        for _ in range(steps):
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            logits, past = plain.step(token, pos[:, None], mask, past)
+            pos = pos + 1
+        return logits
+
+    def static_fn(grouped: bool) -> Callable[[], Any]:
+        path = export_static_step(model, workdir / f"static{int(grouped)}.onnx", grouped)
+        static = OrtStaticDecoder(ort_session(path, threads=threads), max_len=context + steps)
+        static.allocate(1)
+        smask = np.zeros((1, context + steps), np.int64)
+        smask[:, :context] = 1
+        static.step(np.array([prompt]), np.arange(context)[None], smask, np.arange(context))
+
+        def run_static() -> Any:
+            mask = smask.copy()
+            for i in range(steps):
+                mask[:, context + i] = 1
+                slot = np.array([context + i])
+                logits = static.step(token, slot[None], mask, slot)
+            return logits
+
+        return run_static
+
+    fns = {PLAIN: run_plain, STATIC_REPEAT: static_fn(False), STATIC: static_fn(True)}
+    if genai_missing() is None:
+        hf = save_model(model, workdir / "hf")
+        # The builder insists on tokenizer files (it copies them next to the graph); we
+        # feed token ids, so the bundled tokenizer's files serve any random-weight shape.
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(BUNDLED_DIR / name, hf / name)
+        gen = GenaiDecoder(build_genai_model(hf, workdir / "genai", "fp32"))
+        generator = gen.generator(prompt, context + steps + 1)
+
+        def run_genai() -> Any:
+            generator.rewind_to(context)
+            for _ in range(steps):
+                generator.generate_next_token()
+
+        fns[GENAI] = run_genai
+    return fns
+
+
+def quality(workdir: Path, max_tokens: int = 32, windows: int = 8) -> dict[str, Any]:
+    """Greedy tokens and held-out perplexity on the bundled model, each runtime."""
+    model, tok = load_model(), load_tokenizer()
+    prompts = [tok.encode(p) for p in ("In the beginning", "And the LORD said unto Moses")]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    plain = OrtDecoder(ort_session(export_decoder_step(model, workdir / "q_step.onnx")))
+    static = OrtStaticDecoder(
+        ort_session(export_static_step(model, workdir / "q_static.onnx")), max_len=128
+    )
+    ref = generate(model, prompts, params)
+    out: dict[str, Any] = {
+        "tokens_equal": {
+            PLAIN: plain.generate(prompts, params) == ref,
+            STATIC: static.generate(prompts, params) == ref,
+        }
+    }
+    ids = held_out_ids(tok)
+    kw = {"window": 128, "max_windows": windows}
+    out["ppl"] = {
+        "minillm": perplexity(model, ids, **kw),
+        PLAIN: perplexity(ort_logits_fn(plain.session), ids, **kw),
+    }
+    if genai_missing() is None:
+        for precision in ("fp32", "int4"):
+            gen = GenaiDecoder(
+                build_genai_model(BUNDLED_DIR, workdir / f"genai_{precision}", precision)
+            )
+            name = f"{GENAI} {precision}"
+            out["tokens_equal"][name] = gen.generate(prompts, max_tokens) == ref
+            out["ppl"][name] = perplexity(gen.logits_fn(), ids, **kw)
+    else:
+        out["genai"] = genai_missing()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bundled-1k")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import onnxruntime
+
+    print(
+        f"onnxruntime {onnxruntime.__version__}, {args.threads} thread(s), model {args.model}, ",
+        end="",
+    )
+    genai = genai_missing() or "installed"
+    print(f"{args.steps} decode steps after {args.context} tokens; GenAI: {genai}")
+    result: dict[str, Any] = {"model": args.model, "context": args.context}
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = speed_fns(speed_model(args.model), Path(tmp), args.context, args.steps, args.threads)
+        samples = time_samples(fns, repeats=5 if args.quick else 15, warmup=2)
+        ratios = paired_ratios(samples, PLAIN)
+        result["speedup"] = {name: 1 / r for name, r in ratios.items()}
+        print("\n(a) decode speed-up over the plain ORT loop (its time / the variant's):")
+        for name, x in result["speedup"].items():
+            print(f"    {name:<24}{x:>7.2f}x")
+        result |= quality(Path(tmp))
+    print("\n(b) bundled model: greedy tokens equal to minillm's:", result["tokens_equal"])
+    print("    held-out perplexity:", {k: round(v, 4) for k, v in result["ppl"].items()})
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    s = result["speedup"]
+    line = (
+        f"SUMMARY ort_iobinding {args.model}: decode@{args.context} IOBinding "
+        f"{s[STATIC]:.2f}x (K/V repeated {s[STATIC_REPEAT]:.2f}x)"
+    )
+    if GENAI in s:
+        line += f", GenAI {s[GENAI]:.2f}x"
+    exact = all(same for name, same in result["tokens_equal"].items() if "int4" not in name)
+    line += f" the plain loop; fp32 runtimes' greedy tokens equal minillm's: {exact}"
+    if f"{GENAI} int4" in result["ppl"]:
+        delta = result["ppl"][f"{GENAI} int4"] / result["ppl"]["minillm"] - 1
+        line += f"; GenAI int4 ppl {100 * delta:+.2f}%"
+    print(line)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""AWQ from scratch (Lin et al., 2023): activation-aware weight quantization.
+
+Not all weights matter alike: the input channels that carry large activations multiply
+their weight errors by large numbers. AWQ protects them without mixed precision: scale
+those weight columns up before rounding (so their relative rounding error shrinks) and
+the activations down by the same factor, folded into the op before (`smoothing`):
+
+    W x = (W diag(s)) (x / s),    quantize W diag(s) instead of W.
+
+The scales follow the activations: s = mean|x|^alpha per input channel (normalised so
+max * min = 1), with alpha searched on calibration data to minimise the quantized layer's
+output error ||x W^T - (x / s) Q(W diag(s))^T||. alpha = 0 is plain round-to-nearest, so
+the search can only do as well or better on the calibration tokens. As in the paper's
+code, blocks are processed in order, each calibrated on the outputs of the scaled (not
+yet quantized) blocks before it; every linear is then rounded to nearest.
+
+Then AWQ's second search (`awq_clip`): per weight group, the clipping range (a shrink of
+its absmax by 0-50%) whose rounded weights give the group's partial outputs x_g w_g^T the
+least error. Like the paper's code it skips q_proj and k_proj, whose errors pass through
+the softmax. Left out, and said here: the loss on a whole attention/MLP output (here:
+the outputs of the linears themselves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from minillm.model.transformer import Transformer
+from minillm.quant.formats import quantize_int4
+from minillm.quant.linear import Scheme, parse_scheme, quantize_model
+from minillm.quant.sequential import (
+    block_linears,
+    calibration_states,
+    capture_inputs,
+    run_block,
+)
+from minillm.quant.smoothing import fold_scales, group_weight, scale_groups
+
+
+def awq_search(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_size: int,
+    symmetric: bool = False,
+    n_grid: int = 20,
+) -> tuple[torch.Tensor, float, dict[float, float]]:
+    """(scales s [in], the best alpha, {alpha: output error}) for input rows x [n, in] and
+    a weight w [out, in]; the error is ||x w^T - (x / s) Q(w s)^T||^2 / ||x w^T||^2."""
+    x, w = x.float(), w.float()
+    mean_abs = x.abs().mean(0)
+    ref = x @ w.T
+    errors: dict[float, float] = {}
+    best: tuple[float, torch.Tensor] | None = None
+    for i in range(n_grid):
+        alpha = i / n_grid
+        s = mean_abs.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        w_hat = quantize_int4(w * s, group_size, symmetric).dequantize() / s
+        err = ((x @ w_hat.T - ref).pow(2).sum() / ref.pow(2).sum()).item()
+        errors[alpha] = err
+        if best is None or err < errors[best[0]]:
+            best = (alpha, s)
+    assert best is not None  # n_grid >= 1
+    return best[1], best[0], errors
+
+
+def awq_clip(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_size: int,
+    symmetric: bool = False,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+) -> torch.Tensor:
+    """w [out, in] with each group clamped to +-(1 - k / n_grid) * its absmax, the k
+    (shrinking by at most `max_shrink`) whose quantized group best reproduces the group's
+    partial outputs on input rows x [n, in]."""
+    out_f, in_f = w.shape
+    n_groups = in_f // group_size
+    xg = x.float().view(-1, n_groups, group_size).transpose(0, 1)  # [groups, n, g]
+    wg = w.float().view(out_f, n_groups, group_size).transpose(0, 1)  # [groups, out, g]
+    ref = xg @ wg.transpose(1, 2)  # [groups, n, out]: each group's partial outputs
+    absmax = wg.abs().amax(-1, keepdim=True)  # [groups, out, 1]
+    best_err = torch.full((n_groups, out_f), float("inf"))
+    best_max = absmax.clone()
+    for k in range(int(max_shrink * n_grid)):
+        limit = absmax * (1 - k / n_grid)
+        clipped = wg.clamp(-limit, limit).transpose(0, 1).reshape(out_f, in_f)
+        q = quantize_int4(clipped, group_size, symmetric).dequantize()
+        qg = q.view(out_f, n_groups, group_size).transpose(0, 1)
+        err = (xg @ qg.transpose(1, 2) - ref).pow(2).mean(1)  # [groups, out]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better[..., None], limit, best_max)
+    return wg.clamp(-best_max, best_max).transpose(0, 1).reshape(out_f, in_f).to(w.dtype)
+
+
+def _rows(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """At most `max_tokens` rows of x, evenly spread (the search's cost is linear in it)."""
+    if len(x) <= max_tokens:
+        return x
+    return x[torch.linspace(0, len(x) - 1, max_tokens).long()]
+
+
+@torch.inference_mode()
+def awq_smooth(
+    model: Transformer,
+    batches: Iterable[torch.Tensor],
+    scheme: str | Scheme = "int4-g128",
+    n_grid: int = 20,
+    max_tokens: int = 4096,
+    clip: bool = False,
+) -> dict[str, float]:
+    """Search AWQ's scales for every scale group of every block and fold them into the
+    model, in place, without quantizing: the float model computes the same function
+    (unless `clip`, which then also clamps the weights by `awq_clip`, on 512 tokens).
+    Returns the chosen alpha per group ('layers.0.input_layernorm': 0.45, ...)."""
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    if scheme.kind != "int4":
+        raise ValueError(f"AWQ here targets int4 group-wise weights, got scheme {scheme}")
+    if n_grid < 1:
+        raise ValueError(f"n_grid must be at least 1 (alpha = 0 is round-to-nearest), got {n_grid}")
+    calib = calibration_states(model, batches)
+    alphas: dict[str, float] = {}
+    for i, block in enumerate(model.model.layers):
+        groups = scale_groups(block)
+        inputs = capture_inputs(block, calib, [g.linears[0] for g in groups])
+        for group in groups:
+            x = _rows(inputs[group.linears[0]], max_tokens)
+            s, alpha, _ = awq_search(
+                x, group_weight(block, group), scheme.group_size, scheme.symmetric, n_grid
+            )
+            fold_scales(block, group, s)
+            alphas[f"layers.{i}.{group.prev}"] = alpha
+        if clip:
+            names = [n for n in block_linears(block) if not n.endswith(("q_proj", "k_proj"))]
+            scaled = capture_inputs(block, calib, names)  # the inputs after folding
+            for name in names:
+                lin = block.get_submodule(name)
+                x = _rows(scaled[name], 512)
+                lin.weight.copy_(awq_clip(x, lin.weight, scheme.group_size, scheme.symmetric))
+        run_block(block, calib)
+    return alphas
+
+
+def awq_quantize_model(
+    model: Transformer,
+    batches: Iterable[torch.Tensor],
+    scheme: str | Scheme = "int4-g128",
+    n_grid: int = 20,
+    max_tokens: int = 4096,
+) -> Transformer:
+    """AWQ: fold the searched scales and clip the weights (`awq_smooth(clip=True)`), then
+    round every block linear to nearest in `scheme` (lm_head kept, as `quantize_model`
+    does). In place; returns it."""
+    awq_smooth(model, batches, scheme, n_grid, max_tokens, clip=True)
+    return quantize_model(model, scheme)

@@ -1,0 +1,115 @@
+"""Weight-only int8 and int4 matmuls on the CPU kernels torch ships, so that fewer weight
+bytes become faster decoding instead of an extra dequantize step.
+
+`QuantLinear` rebuilds the fp32 weight from its codes on every call: it reads the small
+weight, writes a full fp32 copy, then the matmul reads that copy again. Slower than fp32.
+A real quantized kernel reads the codes once and dequantizes them in registers, inside
+the matmul. torch 2.13 has two such CPU kernels:
+
+    int8   torch.ops.aten._weight_int8pack_mm(x, q [N, K] int8, scale [N])
+           y = x @ (q * scale[:, None]).T: our symmetric per-channel INT8 codes as they
+           are (`absmax_quantize`), the scale as a vector.
+    int4   torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes [N, K] int32, 1)
+           torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz [K/g, N, 2])
+           the codes 0..15 of `Int4Weight` (unpacked, one int32 each) re-packed into the
+           kernel's own layout; sz[g, n] = (scale, offset) with w = (q - 8) * scale + offset
+           ("tinygemm" layout, a float offset instead of an integer zero point). Our
+           asymmetric w = (q - zero) * scale is the same number with offset = (8 - zero) *
+           scale, so the conversion is exact; symmetric codes have zero = 8, offset 0.
+
+What the kernels need, measured on torch 2.13 (checked by `kernel_skip_reason`):
+
+- activations in bfloat16. With fp32 or fp16 activations both kernels take a scalar
+  path 3-25x slower than fp32 `F.linear` (measured on SmolLM2-135M shapes); with bf16
+  they run vectorised, about 2x faster than fp32 at batch 1. The layer
+  casts x to bf16 and the result back, so its output differs from dequantize-then-matmul
+  by bf16 rounding of x (tests/test_cpu_kernels.py bounds it).
+- int8: K a multiple of 16 (the bf16 path crashes with a segfault otherwise, not an error).
+- int4: N a multiple of 16, group size 32, 64, 128 or 256.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minillm.quant.formats import Int4Weight, unpack_int4
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+COMPUTE_DTYPE = torch.bfloat16  # the only activation dtype with a fast path
+
+
+def int8_skip_reason(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> str | None:
+    """Why the int8 kernel cannot run these codes (None: it can)."""
+    if zero is not None:
+        return "asymmetric int8 (the kernel has no zero point): use scheme 'int8'"
+    if scale.numel() != q.shape[0]:
+        return "per-tensor int8 scale: use per-channel scheme 'int8'"
+    if q.shape[1] % 16:
+        return f"in_features={q.shape[1]} is not a multiple of 16"
+    return None
+
+
+def int4_skip_reason(qw: Int4Weight) -> str | None:
+    """Why the int4 kernel cannot run this weight (None: it can)."""
+    n = qw.packed.shape[0]
+    if qw.group_size not in KERNEL_GROUP_SIZES:
+        return f"group size {qw.group_size} is not one of {KERNEL_GROUP_SIZES}"
+    if n % 16:
+        return f"out_features={n} is not a multiple of 16"
+    return None
+
+
+def int4_scales_and_offsets(qw: Int4Weight, dtype: torch.dtype = COMPUTE_DTYPE) -> torch.Tensor:
+    """[in / group, out, 2]: (scale, offset) per group in the kernel's layout, where
+    w = (q - 8) * scale + offset; ours is w = (q - zero) * scale, so offset = (8 - zero) *
+    scale (zero = 8 for symmetric codes)."""
+    scale = qw.scale.float()
+    zero = torch.full_like(scale, 8.0) if qw.zero is None else qw.zero.float()
+    pairs = torch.stack([scale, (8.0 - zero) * scale], dim=-1)  # [out, groups, 2]
+    return pairs.transpose(0, 1).contiguous().to(dtype)
+
+
+class Int8Kernel(nn.Module):
+    """y = x @ (q * scale).T with `_weight_int8pack_mm`, activations cast to `dtype`
+    (bf16: the fast path; fp32: the slow exact one, which tests use to check layouts)."""
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = COMPUTE_DTYPE
+    ) -> None:
+        super().__init__()
+        reason = int8_skip_reason(q, scale, None)
+        if reason is not None:
+            raise ValueError(f"the int8 CPU kernel cannot run this weight: {reason}")
+        self.q = q  # the layer's own codes: no second copy
+        self.register_buffer("scale", scale.reshape(-1).to(dtype))
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+class Int4Kernel(nn.Module):
+    """y = x @ W.T with `_weight_int4pack_mm_for_cpu`; W an `Int4Weight` re-packed once
+    into the kernel's layout (the same 4 bits per weight, in another order); activations
+    cast to `dtype` as in `Int8Kernel`."""
+
+    def __init__(self, qw: Int4Weight, dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        super().__init__()
+        reason = int4_skip_reason(qw)
+        if reason is not None:
+            raise ValueError(f"the int4 CPU kernel cannot run this weight: {reason}")
+        codes = unpack_int4(qw.packed).to(torch.int32)  # [N, K] values 0..15
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_offsets", int4_scales_and_offsets(qw, dtype))
+        self.group_size, self.dtype = qw.group_size, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.packed, self.group_size, self.scales_and_offsets
+        )
+        return y.to(x.dtype).view(*x.shape[:-1], -1)

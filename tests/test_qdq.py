@@ -1,0 +1,64 @@
+"""The explicit Q/DQ ONNX graph (minillm.export.qdq) with chapter 04's calibrated scales,
+run on ONNX Runtime's CPU provider, against the course's own fake quantization
+(`minillm.quant.calibrate.FakeQuantLinear`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from minillm.export.onnx import export_module  # noqa: E402
+from minillm.export.onnx_checks import op_counts  # noqa: E402
+from minillm.export.onnx_runtime import ort_logits_fn, ort_session  # noqa: E402
+from minillm.export.qdq import QDQLinear, export_qdq  # noqa: E402
+from minillm.quant.calibrate import (  # noqa: E402
+    FakeQuantLinear,
+    collect_stats,
+    compute_scales,
+    fake_quantize_model,
+)
+
+
+def test_one_qdq_linear_on_ort_is_our_fake_quant_exactly(tmp_path) -> None:
+    """Inside the calibrated range the Q/DQ nodes compute exactly what FakeQuantLinear
+    does: the same scales, the same rounding."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(8, 64, generator=g)
+    scale = float(x.abs().max()) / 127
+    path = export_module(
+        QDQLinear(lin, scale), (x,), tmp_path / "l.onnx", ["x"], ["y"], dynamo=False
+    )
+    assert op_counts(path)["QuantizeLinear"] == 2  # the input and the weight
+    got = torch.from_numpy(ort_session(path).run(None, {"x": x.numpy()})[0])
+    with torch.no_grad():
+        ref = FakeQuantLinear(lin, scale)(x)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["max", "percentile"])
+def test_qdq_model_on_ort_is_close_to_our_fake_quant(model, tmp_path, method) -> None:
+    """Whole model: where activations pass a threshold (later layers see the int8 model's
+    activations, calibration saw fp32's; percentile clips by design) ONNX saturates at
+    -128 steps and we at -127, so the two drift apart, far less than either from fp32."""
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randint(1, model.config.vocab_size, (2, 64), generator=g)]
+    stats = collect_stats(model, calib, bins=256)
+    scales = compute_scales(stats, method, 99.0)
+    path = export_qdq(model, scales, tmp_path / "qdq.onnx")
+    ops = op_counts(path)
+    # one Q/DQ pair per weight, one per activation tensor (q/k/v read one tensor, as do
+    # gate/up: calibration and the exporter both see a single tensor there)
+    tensors = len({id(s) for s in stats.values()})
+    assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == len(scales) + tensors
+    ids = torch.randint(1, model.config.vocab_size, (2, 40), generator=g)
+    with torch.inference_mode():
+        ref, fp32 = fake_quantize_model(model, scales)(ids), model(ids)
+    for level in ("disable", "all"):  # "all": ORT fuses the Q/DQ around MatMuls
+        got = ort_logits_fn(ort_session(path, level))(ids)
+        assert (got - ref).norm() < 0.5 * (ref - fp32).norm(), level
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, level
