@@ -28,6 +28,8 @@ from types import ModuleType
 
 import pytest
 
+from exercises.check import OVERRIDES
+
 IMPLS = ("solutions", "exercises")
 ENV_VAR = "MINILLM_IMPL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +69,14 @@ def impl_module(chapter_module: str) -> Callable[[], ModuleType]:
 
     @pytest.fixture(scope="session")
     def _impl() -> ModuleType:
-        return load_impl(chapter_module)
+        module = load_impl(chapter_module)
+        overrides = OVERRIDES.get(chapter_module)
+        if not overrides:
+            return module
+        # A notebook's `check` grades the learner's functions over the answers.
+        patched = ModuleType(module.__name__, module.__doc__)
+        patched.__dict__.update(vars(module) | overrides)
+        return patched
 
     _impl.__doc__ = f"The module `<{ENV_VAR}>.{chapter_module}` under test."
     return _impl
