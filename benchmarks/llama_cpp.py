@@ -32,7 +32,10 @@ prompts). (a) the first 8 prompts sent at once, not streamed, greedy with EOS al
 texts should be equal. (b) the workload as a closed loop with C requests in flight (a new one
 as soon as one ends), the two servers back to back, the order alternating, `--repeats`
 rounds; medians. Output tokens/s, TTFT and TPOT p50/p99 as vLLM's `bench serve` defines
-them, and the ratio minillm / llama-server.
+them, and the ratio minillm / llama-server. The client opens a new connection per request
+(for both): llama-server closes the connection after each streamed response although it
+announces keep-alive, and a request sent on it meanwhile fails. (c) with `--profile`: where
+one minillm decode step's time goes at batch C (`minillm.lab.profile_split`, in process).
 
 llama-cpp-python mode: both servers up; for each load (all requests at once, then Poisson
 arrivals at a quarter of the slower server's capacity) the same back-to-back rounds.
@@ -43,6 +46,8 @@ The last line is `SUMMARY llama-server:` or `SUMMARY llama-cpp:`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib.metadata
 import json
 import math
@@ -209,9 +214,14 @@ def report_llama_server(args, results: dict[str, Any], n: int, model: str) -> st
         tok = {k: median_of(res[k], "output_tok_s") for k in ("minillm", "llama-server")}
         ratios[c] = tok["minillm"] / tok["llama-server"]
         tpot = {k: median_of(res[k], "tpot", "p50") for k in ("minillm", "llama-server")}
+        paired = [  # round r of each ran back to back: the spread the shared CPU adds
+            a["output_tok_s"] / b["output_tok_s"]
+            for a, b in zip(res["minillm"], res["llama-server"], strict=True)
+        ]
         print(
-            f"  {'':12s} | minillm / llama-server: {ratios[c]:.2f}x output tok/s, "
-            f"{tpot['minillm'] / tpot['llama-server']:.2f}x TPOT p50"
+            f"  {'':12s} | minillm / llama-server: {ratios[c]:.2f}x output tok/s (rounds "
+            f"{min(paired):.2f}-{max(paired):.2f}x), {tpot['minillm'] / tpot['llama-server']:.2f}x"
+            " TPOT p50"
         )
     same = sum(sum(r["same_greedy"]) for r in results.values())
     total = sum(len(r["same_greedy"]) for r in results.values())
@@ -221,6 +231,44 @@ def report_llama_server(args, results: dict[str, Any], n: int, model: str) -> st
         + ", ".join(f"{r:.2f}x at C={c}" for c, r in ratios.items())
         + f" llama-server's; same greedy text {same}/{total}"
     )
+
+
+def profile_decode(args, work: list[tuple[list[int], int]]) -> dict[str, dict[str, float]]:
+    """(c) Where one minillm decode step goes at batch C, in this process with the server's
+    settings (threads, no prefix cache): `minillm.lab.profile_split` of `Engine.step` (compute
+    kernels / framework / Python, aten ops per step) and the share of the step that the
+    lm_head alone takes (timed interleaved with the step), the largest single matmul."""
+    import torch
+
+    from minillm import load_model
+    from minillm.engine import Engine
+    from minillm.lab import profile_split, time_samples
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    out = {}
+    for c in args.concurrency:
+        blocks = c * -(-CTX_PER_SLOT // 16)
+        engine = Engine(model, tokenizer, max_num_seqs=c, num_blocks=blocks, prefix_cache=False)
+        for prompt, _ in (work * c)[:c]:
+            engine.add_request(prompt[:32], serving.greedy(96))
+        engine.step()  # the prefill
+        split = profile_split(engine.step, repeats=8, warmup=2)
+        hidden = torch.randn(c, model.config.hidden_size)
+        with torch.inference_mode():
+            head = functools.partial(model.lm_head, hidden)
+            t = time_samples({"step": engine.step, "lm_head": head}, 8)
+        lm_head = statistics.median(t["lm_head"]) / statistics.median(t["step"])
+        out[str(c)] = {**dataclasses.asdict(split), "lm_head_share": lm_head}
+        f = split.fractions()
+        print(
+            f"  C={c}: decode step {split.wall_s * 1e3:.1f} ms ({split.wall_s * 1e3 / c:.2f} ms "
+            f"per token): compute kernels {f['compute kernels']:.0%}, framework "
+            f"{f['framework (dispatch, views, alloc)']:.0%}, Python {f['Python']:.0%}; "
+            f"{split.ops:.0f} aten ops; lm_head alone {lm_head:.0%} of a step",
+            flush=True,
+        )
+    return out
 
 
 # ------------------------------------------------------------------ llama-cpp-python server
@@ -288,6 +336,7 @@ def main() -> None:
     parser.add_argument(
         "--batch", type=int, default=32, help="minillm max_num_seqs (llama-cpp-python mode)"
     )
+    parser.add_argument("--profile", action="store_true", help="llama-server mode: (c)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.server == "llama-server":
@@ -322,6 +371,9 @@ def main() -> None:
     if args.server == "llama-server":
         results = run_llama_server(args, work, gguf)
         summary = report_llama_server(args, results, n, model)
+        if args.profile:
+            print("\n(c) where a minillm decode step goes (in process, same settings)")
+            results["profile"] = profile_decode(args, work)
     else:
         work = [(tokenizer.decode(p), k) for p, k in work]  # it takes text only
         results = run_llama_cpp_python(args, work, gguf)
