@@ -46,8 +46,6 @@ The last line is `SUMMARY llama-server:` or `SUMMARY llama-cpp:`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import importlib.metadata
 import json
 import math
@@ -59,7 +57,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import llama_server, serving
+from benchmarks import engine_profile, llama_server, serving
 from minillm import load_tokenizer
 from minillm.export.gguf import export_gguf
 
@@ -233,44 +231,6 @@ def report_llama_server(args, results: dict[str, Any], n: int, model: str) -> st
     )
 
 
-def profile_decode(args, work: list[tuple[list[int], int]]) -> dict[str, dict[str, float]]:
-    """(c) Where one minillm decode step goes at batch C, in this process with the server's
-    settings (threads, no prefix cache): `minillm.lab.profile_split` of `Engine.step` (compute
-    kernels / framework / Python, aten ops per step) and the share of the step that the
-    lm_head alone takes (timed interleaved with the step), the largest single matmul."""
-    import torch
-
-    from minillm import load_model
-    from minillm.engine import Engine
-    from minillm.lab import profile_split, time_samples
-
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
-    out = {}
-    for c in args.concurrency:
-        blocks = c * -(-CTX_PER_SLOT // 16)
-        engine = Engine(model, tokenizer, max_num_seqs=c, num_blocks=blocks, prefix_cache=False)
-        for prompt, _ in (work * c)[:c]:
-            engine.add_request(prompt[:32], serving.greedy(96))
-        engine.step()  # the prefill
-        split = profile_split(engine.step, repeats=8, warmup=2)
-        hidden = torch.randn(c, model.config.hidden_size)
-        with torch.inference_mode():
-            head = functools.partial(model.lm_head, hidden)
-            t = time_samples({"step": engine.step, "lm_head": head}, 8)
-        lm_head = statistics.median(t["lm_head"]) / statistics.median(t["step"])
-        out[str(c)] = {**dataclasses.asdict(split), "lm_head_share": lm_head}
-        f = split.fractions()
-        print(
-            f"  C={c}: decode step {split.wall_s * 1e3:.1f} ms ({split.wall_s * 1e3 / c:.2f} ms "
-            f"per token): compute kernels {f['compute kernels']:.0%}, framework "
-            f"{f['framework (dispatch, views, alloc)']:.0%}, Python {f['Python']:.0%}; "
-            f"{split.ops:.0f} aten ops; lm_head alone {lm_head:.0%} of a step",
-            flush=True,
-        )
-    return out
-
-
 # ------------------------------------------------------------------ llama-cpp-python server
 def run_llama_cpp_python(args, work: list[tuple[str, int]], gguf: Path) -> dict[str, Any]:
     """Both servers up; all requests at once, then Poisson arrivals at a quarter of the
@@ -372,8 +332,10 @@ def main() -> None:
         results = run_llama_server(args, work, gguf)
         summary = report_llama_server(args, results, n, model)
         if args.profile:
-            print("\n(c) where a minillm decode step goes (in process, same settings)")
-            results["profile"] = profile_decode(args, work)
+            print("\n(c) where minillm's time goes (in process, same settings)")
+            results["profile"] = engine_profile.profile(
+                args.model, work, args.concurrency, args.threads, CTX_PER_SLOT
+            )
     else:
         work = [(tokenizer.decode(p), k) for p, k in work]  # it takes text only
         results = run_llama_cpp_python(args, work, gguf)
