@@ -3,8 +3,9 @@ llama-cpp-python's sdist, and say where the binary is (chapter 08's batching CPU
 
     python -m benchmarks.llama_server            # build once (~12 min on 2 shared cores)
     python -m benchmarks.llama_server --where    # print the path if built, else exit 1
-    llama-server -m bundled.gguf --parallel 8 -c 2048 --threads 1 --threads-batch 1 \
-        --cache-type-k f32 --cache-type-v f32 --port 8002   # what `start` runs
+    llama-server --model bundled.gguf --parallel 8 --ctx-size 2048 --threads 1 \
+        --threads-batch 1 --cache-type-k f32 --cache-type-v f32 --no-cache-prompt \
+        --cache-ram 0 --port 8002                 # what `start(gguf, 8002, 8)` runs
 
 Why this and not `pip install llama-cpp-python`: the pip package builds llama.cpp as a
 library and serves it from Python (`python -m llama_cpp.server`), one request at a time.
@@ -17,8 +18,10 @@ from PyPI.
 What the build turns off, so that it needs no network and compiles only what the server
 links: tests, examples, the web UI (its prebuilt assets would be downloaded from a
 Hugging Face bucket at build time; the HTTP API does not need them), OpenSSL (HTTPS
-model downloads). Release, static libraries, `GGML_NATIVE` (llama.cpp's default: code for
-this CPU's instruction set, as pip's build also gets), `nice -n 19`, `-j2`.
+model downloads; this llama.cpp has no CURL any more: `LLAMA_CURL` only warns). Release,
+static libraries, `GGML_NATIVE` (llama.cpp's default: code for this CPU's instruction set,
+as pip's build also gets), `nice -n 19`, `-j2`. The server target still compiles the
+libraries it links (ggml, llama, common, the multimodal `mtmd`).
 
 Idempotent: the sdist, the extracted tree and the CMake build directory live in
 `$MINILLM_CACHE/llama-server-<version>/` (default `~/.cache/minillm/`); a second run finds
