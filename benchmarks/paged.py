@@ -124,8 +124,13 @@ def simulate(
     trace: Sequence[tuple[int, int]], policy: str, budget: int = BUDGET, block_size: int = 16
 ) -> dict[str, Any]:
     """Replay the trace; return the time-averaged split of the budget (PARTS), the mean
-    number of running requests, steps taken and preemptions. Averages cover the steps
-    during which requests were still waiting."""
+    number of running requests, steps taken, preemptions and their cost. Averages cover the
+    steps during which requests were still waiting.
+
+    A preempted request starts again from its prompt: the decode steps that regenerate its
+    tokens are counted in `steps` (so output tokens per step is a throughput proxy that
+    pays for them), while its prompt's second prefill is not a step here; it is reported
+    as `reprefilled` tokens instead."""
     queue = [Request(i, p, o) for i, (p, o) in enumerate(trace)]
     queue.reverse()  # pop() from the end = FCFS
     paged = policy.startswith("paged")
@@ -136,7 +141,7 @@ def simulate(
         space = FirstFit(budget)
     running: list[Request] = []
     sums, busy_steps, steps, preemptions = dict.fromkeys(PARTS, 0.0), 0, 0, 0
-    running_sum = 0
+    running_sum, reprefilled = 0, 0
     while queue or running:
         blocked_need = 0  # slots the head of the queue needed and could not get
         while queue:  # admit in order while the head fits
@@ -186,6 +191,7 @@ def simulate(
                         seqs[r.rid].token_ids.pop()
                         victim = running.pop()
                         manager.free(seqs[victim.rid])
+                        reprefilled += victim.prompt
                         victim.done = 0
                         queue.append(victim)
                         preemptions += 1
@@ -204,6 +210,8 @@ def simulate(
         "mean_running": running_sum / n,
         "steps": steps,
         "preemptions": preemptions,
+        "tokens_per_step": sum(o for _, o in trace) / steps,
+        "reprefilled": reprefilled,
     }
 
 
@@ -226,11 +234,12 @@ def print_fragmentation(rows: list[dict[str, Any]], trace) -> None:
         f"{np.median(o):.0f} / max {o.max()}; budget {BUDGET} slots, max_len {MAX_LEN}"
     )
     head = f"{'policy':<18}" + "".join(f"{c:>10}" for c in PARTS)
-    print(head + f"{'running':>9}{'steps':>8}{'preempt':>8}")
+    print(head + f"{'running':>9}{'steps':>8}{'tok/step':>9}{'preempt':>8}{'re-prefill':>11}")
     for r in rows:
         cells = "".join(f"{r[c]:>10.1%}" for c in PARTS)
         print(
-            f"{r['policy']:<18}{cells}{r['mean_running']:>9.1f}{r['steps']:>8}{r['preemptions']:>8}"
+            f"{r['policy']:<18}{cells}{r['mean_running']:>9.1f}{r['steps']:>8}"
+            f"{r['tokens_per_step']:>9.1f}{r['preemptions']:>8}{r['reprefilled']:>11}"
         )
 
 

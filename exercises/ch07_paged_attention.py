@@ -127,7 +127,6 @@ def gather_kv(pool: torch.Tensor, block_table: Sequence[int], length: int) -> to
 
 
 # --- the paged decode kernel (Triton) -----------------------------------------------------
-# ruff: noqa: F841, B007 (the kernel's loop body is yours to write: until then its names are unused)
 # Triton compiles for a GPU; without CUDA it runs kernels in its CPU interpreter, which it
 # reads from TRITON_INTERPRET when a kernel is defined, so set it before importing triton.
 if not torch.cuda.is_available():
