@@ -87,14 +87,17 @@ def calibration(
 
 
 def decode_step_fn(model: torch.nn.Module, context: int = 64) -> Callable[[], torch.Tensor]:
-    """One cached decode step at position context-1 (the cache prefilled before)."""
+    """One cached decode step at position context-1 (the cache prefilled before), on the
+    model's device and in its dtype."""
+    weight = next(model.parameters())
     ids = torch.randint(model.config.vocab_size, (1, context), generator=torch.Generator())
-    cache = KVCache(model.config, 1, context)
+    ids = ids.to(weight.device)
+    cache = KVCache(model.config, 1, context, dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
         cache.kv_len = context - 1
         model(ids[:, :-1], cache=cache)
     cache.kv_len = context
-    last, pos = ids[:, -1:], torch.tensor([[context - 1]])
+    last, pos = ids[:, -1:], torch.tensor([[context - 1]], device=weight.device)
 
     @torch.inference_mode()
     def step() -> torch.Tensor:

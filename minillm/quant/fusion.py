@@ -38,8 +38,14 @@ class ScaleFreeRMSNorm(nn.Module):
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    out.to(weight.dtype)
+    # On the weight's device and dtype: a model on a GPU stays there once fused.
+    out = nn.Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         out.weight.copy_(weight)
         if bias is not None:
