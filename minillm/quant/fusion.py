@@ -8,9 +8,9 @@ Three rewrites, each exact in real arithmetic (fp32 rounding aside):
                   GEMM, then a split (three matmul launches become one, wider one).
     fuse gate/up  the same for the MLP's gate and up projections.
 
-`fuse_model` returns a fused copy (the original is untouched); `count_ops` counts the aten
-ops a forward dispatches (on a GPU, one compute op is one kernel launch), which is what
-fusion saves. The fused modules keep the model's call signatures, so the KV cache and
+`fuse_model` returns a fused copy (the original is untouched); `minillm.lab.count_ops`
+counts the aten ops a forward dispatches (on a GPU, one compute op is one kernel launch),
+which is what fusion saves. The fused modules keep the model's call signatures, so the KV cache and
 `generate` work unchanged.
 """
 
