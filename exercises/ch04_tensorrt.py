@@ -77,7 +77,7 @@ def percentile_scale(x: torch.Tensor, percentile: float = 99.99) -> float:
 
 
 def kl_threshold(hist: torch.Tensor, bin_width: float, levels: int = 128) -> float:
-    """TensorRT's entropy calibration: the threshold that loses the least information.
+    """TensorRT's (legacy) entropy calibration: the threshold that loses the least information.
 
     (TensorRT's implicit calibrators, this one included, are deprecated since TensorRT 10:
     the threshold is now chosen before the build and written into the graph as Q/DQ

@@ -178,7 +178,10 @@ def test_ch04_qdq_linear_onnx_equals_int8_fake_quantization(ch04):
     got = run_onnx(ch04.qdq_linear_onnx(w, x_scale), x)
     ref = int8_linear(x, w, x_scale)
     err = (got - ref).abs().max().item()
-    assert err < 1e-4, f"max |ONNX - int8 fake quantization| = {err:.3g}: check the scales"
+    assert err < 1e-4, (
+        f"max |ONNX - int8 fake quantization| = {err:.3g}: check the scales (x: input_scale; "
+        "w: max |w| per output channel / 127) and the zero points (int8 zeros)"
+    )
     assert (got - x @ w.T).abs().max() > 1e-3, "the output is the fp32 linear: quantize it"
 
 
