@@ -110,16 +110,18 @@ def test_greedy_with_controls_equals_the_reference_in_engine_and_generate(model,
         assert all(len(w) == 7 and w[-1] == 0 and 0 not in w[:-1] for w in want)
         assert {outs[i].finish_reason for i in ids} == {"stop"}
     else:
-        plain = [generate(model, [p], SamplingParams(temperature=0, max_tokens=12))[0] for p in prompts]
-        assert plain != want  # the control changed something: the test can fail
+        plain = SamplingParams(temperature=0, max_tokens=12)
+        assert [
+            generate(model, [p], plain)[0] for p in prompts
+        ] != want  # the control changed something: the test can fail
 
 
 def test_seeded_sampling_with_controls_is_one_path(model, prompts):
     """Engine (batched, preempted) and `generate` draw the same tokens for the same seed."""
+    controls = dict(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={5: 3.0})
     params = SamplingParams(
-        temperature=0.9, top_k=50, seed=11, max_tokens=16, ignore_eos=True,
-        repetition_penalty=1.3, presence_penalty=0.5, logit_bias={5: 3.0},
-    )  # fmt: skip
+        temperature=0.9, top_k=50, seed=11, max_tokens=16, ignore_eos=True, **controls
+    )
     want = [generate(model, [p], params)[0] for p in prompts]
     engine = Engine(model, load_tokenizer(), num_blocks=8, block_size=4)
     ids = [engine.add_request(p, params) for p in prompts]
