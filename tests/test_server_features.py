@@ -55,9 +55,8 @@ def check_completion_logprobs(lp, ids, ref, k, tok, first_is_prompt_start):
         row = ref[i - 1] if first_is_prompt_start else ref[i]
         assert lp.token_logprobs[i] == pytest.approx(float(row[token]), abs=1e-4)
         top = row.topk(k)
-        want = {
-            tok.decode([t], False): v for t, v in zip(top.indices.tolist(), top.values.tolist())
-        }
+        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        want = {tok.decode([t], False): v for t, v in pairs}
         for text, value in want.items():
             assert lp.top_logprobs[i][text] == pytest.approx(value, abs=1e-4)
         assert len(lp.top_logprobs[i]) in (k, k + 1)
