@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from minillm import generate, generate_naive, load_tokenizer
 from minillm.engine import Engine, SamplingParams
 from minillm.generation.processors import History, adjust_logits
+from minillm.generation.sampling import make_generator, sample
 
 VOCAB = 12
 
@@ -128,6 +129,16 @@ def test_seeded_sampling_with_controls_is_one_path(model, prompts):
     outs = {o.request_id: o.outputs[0].token_ids for o in engine.run_to_completion()}
     assert [outs[i] for i in ids] == want
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_tiny_repetition_penalty_samples_its_limit_not_nan():
+    """Found by schemathesis: repetition_penalty=1e-300 divides a seen positive logit by ~0,
+    giving +inf; the draw is then uniform over those tokens (the limit), never NaN."""
+    logits = torch.tensor([[-2.0, 0.5, 0.3, -0.1, 1.0]])
+    params = SamplingParams(repetition_penalty=1e-300, seed=0)
+    seen = History([1, 2, 3], 3, ())
+    draws = {int(sample(logits, params, make_generator(i), [seen])) for i in range(40)}
+    assert draws == {1, 2}  # the seen tokens with positive logits, both drawn
 
 
 def test_min_tokens_holds_off_stop_strings_too(model, prompts):

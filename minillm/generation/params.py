@@ -46,7 +46,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check(
             math.isfinite(self.temperature) and self.temperature >= 0,
-            f"temperature={self.temperature} must be >= 0 (0 means greedy)",
+            f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)",
         )
         _check(
             math.isfinite(self.top_p) and 0 < self.top_p <= 1,
@@ -72,11 +72,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(
                 math.isfinite(value) and -2 <= value <= 2,
-                f"{name}={value} must be in [-2, 2] (0 disables it)",
+                f"{name}={value} must be a number in [-2, 2] (0 disables it)",
             )
         _check(
             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-            f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)",
+            f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1: none)",
         )
         _check(
             0 <= self.min_tokens <= self.max_tokens,
@@ -135,7 +135,7 @@ def _checked_bias(bias: dict[int, float] | None) -> dict[int, float] | None:
         )
         _check(
             math.isfinite(value) and -100 <= value <= 100,
-            f"logit_bias[{token}]={value} must be in [-100, 100]",
+            f"logit_bias[{token}]={value} must be a number in [-100, 100]",
         )
         out[token] = float(value)
     return out

@@ -74,10 +74,16 @@ def sample(
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws from (after any adjustment): temperature, then top-k,
     then top-p (fp32). Each row's maximum is subtracted first, so a tiny temperature gives
-    the greedy limit instead of inf - inf = NaN."""
+    the greedy limit instead of inf - inf = NaN; a row with +inf logits (a tiny
+    repetition_penalty divides a positive logit by ~0) is uniform over those, its limit."""
     if params.greedy:
         raise ValueError("greedy sampling (temperature=0) has no distribution: use argmax")
     logits = logits.float()
+    infinite = torch.isposinf(logits)
+    if infinite.any():
+        rows = infinite.any(dim=-1, keepdim=True)
+        limit = torch.where(infinite, 0.0, float("-inf"))
+        logits = torch.where(rows, limit, logits)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     return top_p_filter(top_k_filter(logits, params.top_k), params.top_p).softmax(dim=-1)
 

@@ -54,7 +54,9 @@ def create_app(
     async def lifespan(_app: FastAPI):
         state.core.start()
         yield
-        state.core.stop()  # every unfinished request gets its shutdown error
+        state.core.stop(timeout=2.0)  # a step takes ms: one still running after 2 s is stuck
+        # (the engine thread is a daemon: it cannot hold the process); every unfinished
+        # request gets its shutdown error
         state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", version=__version__, lifespan=lifespan)
@@ -102,7 +104,7 @@ def serve(
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout
     )
-    Server(config, hard_deadline=shutdown_timeout + 10).run()
+    Server(config, hard_deadline=shutdown_timeout + 5).run()
 
 
 try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # Fields of OpenAI's API (or vLLM's) that this server does not implement, and why.
 UNSUPPORTED = {
@@ -35,6 +35,9 @@ UNSUPPORTED = {
     "guided_choice": "guided decoding is not implemented",
     "chat_template_kwargs": "template arguments are not implemented",
 }
+
+
+TokenId = StrictInt  # JSON true or 1.0 is not a token id
 
 
 class ApiError(Exception):
@@ -57,8 +60,24 @@ def error_response(message: str, param: str | None = None, status: int = 400) ->
     return JSONResponse(error_body(message, param, status), status_code=status)
 
 
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error JSON, as every error of this server is written."""
+
+    error: ErrorObject
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """No unknown fields, and no coercion: `true` is not 1, `"5"` is not 5, 1.0 is not an
+    integer (JSON's types, as the schema says; an int is a fine float)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -84,7 +103,7 @@ class SamplingFields(Strict):
     # vLLM's extra sampling parameters
     top_k: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
@@ -93,7 +112,7 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     # text, token ids, or a batch of either: each prompt gets n choices
-    prompt: str | list[int] | list[list[int]] | list[str]
+    prompt: str | list[TokenId] | list[list[TokenId]] | list[str]
     echo: bool = False  # the prompt is written before the completion (with its logprobs)
     logprobs: int | None = Field(None, ge=0)  # the top logprobs per token (and the token's)
     best_of: int | None = Field(None, ge=1)
@@ -132,4 +151,4 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -20,6 +20,7 @@ from minillm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     TokenizeRequest,
 )
 from minillm.serving.responses import complete, stream
@@ -130,22 +131,34 @@ GETS = {
 }
 
 
+ERRORS = {
+    400: "bad input: the message names the field and the fix",
+    404: "a model this server does not serve",
+    413: "a body over the size limit",
+    500: "the engine failed on this request (it alone was aborted)",
+    503: "the server is shutting down",
+}
+
+
 def register(app: FastAPI) -> None:
     """Add the routes; each POST's body schema goes into the OpenAPI document (the routes
-    read raw bytes, so FastAPI cannot infer it)."""
+    read raw bytes, so FastAPI cannot infer it), with the errors it can answer."""
+    errors = {code: {"model": ErrorResponse, "description": why} for code, why in ERRORS.items()}
+    ok = {
+        "description": "the answer (server-sent events when streamed)",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
     for path, (route, body) in POSTS.items():
-        name = body.__name__
-        extra = {
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}
-                },
-            }
-        }
-        app.add_api_route(path, route, methods=["POST"], openapi_extra=extra)
+        schema = {"$ref": f"#/components/schemas/{body.__name__}"}
+        content = {"application/json": {"schema": schema}}
+        extra = {"requestBody": {"required": True, "content": content}}
+        responses = {200: ok, **errors}
+        app.add_api_route(path, route, methods=["POST"], openapi_extra=extra, responses=responses)
     for path, route in GETS.items():
-        app.add_api_route(path, route, methods=["GET"])
+        kind = PlainTextResponse if route is metrics else None  # Prometheus' text format
+        app.add_api_route(
+            path, route, methods=["GET"], **({"response_class": kind} if kind else {})
+        )
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
