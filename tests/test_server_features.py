@@ -85,11 +85,18 @@ def test_echo_with_max_tokens_0_is_the_prompt_and_its_logprobs(model, tok, clien
     assert r.usage.completion_tokens == 0
 
 
-def test_streamed_completion_logprobs_add_up_to_the_whole(client):
-    kw = dict(model=NAME, prompt="Blessed are the", max_tokens=8, temperature=0, logprobs=2)
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_add_up_to_the_whole(client, echo):
+    """Streamed chunks (text held back while it may begin a stop string) add up to the
+    whole answer: text, tokens, logprobs and offsets, the echoed prompt once."""
+    kw = dict(model=NAME, prompt="In the beginning", max_tokens=12, temperature=0, logprobs=2)
+    # " of" (the first token) and " the", "the LORD" later wait: they may begin a stop string
+    kw.update(echo=echo, stop=["the LORD hath", " of the world"])
     whole = client.completions.create(**kw).choices[0]
     parts = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
     assert "".join(p.text for p in parts) == whole.text
+    assert whole.text.startswith("In the beginning") == echo
+    assert len(parts[0].logprobs.tokens) == 3 + 3 * echo  # " of", " the" waited for " LORD"
     tokens = sum((p.logprobs.tokens for p in parts if p.logprobs), [])
     values = sum((p.logprobs.token_logprobs for p in parts if p.logprobs), [])
     offsets = sum((p.logprobs.text_offset for p in parts if p.logprobs), [])

@@ -334,7 +334,7 @@ def test_there_are_at_least_40_hostile_requests():
 
 
 def test_a_500_is_openai_shaped_without_a_traceback(server, monkeypatch):
-    url, engine = server
+    url = server[0]
     from minillm.serving import metrics
 
     def broken(self):
@@ -346,6 +346,20 @@ def test_a_500_is_openai_shaped_without_a_traceback(server, monkeypatch):
     error = r.json()["error"]
     assert error["type"] == "server_error" and "RuntimeError" in error["message"]
     assert "secret" not in r.text and "Traceback" not in r.text and ".py" not in r.text
+
+
+def test_fastapi_s_own_validation_errors_are_openai_json_too(model, tok):
+    """FastAPI answers a parameter it validates itself with 422; here it is OpenAI's 400."""
+    app = create_app(Engine(model, tok, max_num_seqs=2), NAME)
+
+    async def typed(n: int) -> dict:
+        return {"n": n}
+
+    app.add_api_route("/typed", typed, methods=["GET"])
+    with running(app) as url:
+        r = httpx.get(url + "/typed?n=abc", timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "query.n" and "integer" in r.json()["error"]["message"]
 
 
 def offline_texts(model, tok, prompts, params) -> list[str]:

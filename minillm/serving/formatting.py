@@ -75,6 +75,7 @@ class Piece:
     entries: list[PositionLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    generated: int = 0  # tokens the engine generated for it (usage.completion_tokens)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Choice:
 
     def add(self, piece: Piece) -> None:
         self.pieces.append(piece)
+        self.num_generated += piece.generated
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.stop_reason = piece.stop_reason if piece.finish_reason else self.stop_reason
 

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from minillm.engine.outputs import CompletionOutput, RequestOutput
 from minillm.serving.async_engine import SHUTDOWN_ERROR
@@ -60,29 +60,36 @@ async def results(state: ServerState, call: Call) -> AsyncIterator[tuple[Job, Re
 
 
 def piece_of(job: Job, out: RequestOutput, o: CompletionOutput) -> Piece | None:
-    """What output `o` of `job` adds to its choice (None: nothing yet). Echo puts the
-    prompt, with its logprobs, before the first text; echo_only answers the prompt alone."""
+    """What output `o` of `job` adds to its choice (None: nothing yet). With echo_only
+    (max_tokens 0) the choice is the prompt alone, once the request is done (the one token
+    the engine ran is dropped)."""
     if out.prompt_logprobs is not None:
         job.prompt_logprobs = out.prompt_logprobs
     if job.echo_only:
-        if o.finish_reason is None:
-            return None
-        prompt_entries = job.prompt_logprobs or [None] * len(job.prompt.ids)
-        return Piece(job.prompt.text or "", list(job.prompt.ids), prompt_entries, "length")
+        return prompt_piece(job, "length") if o.finish_reason is not None else None
     entries = o.logprobs if o.logprobs is not None else [None] * len(o.token_ids)
-    return Piece(o.text, list(o.token_ids), list(entries), o.finish_reason, o.stop_reason)
+    return Piece(
+        o.text, list(o.token_ids), list(entries), o.finish_reason, o.stop_reason, len(o.token_ids)
+    )
+
+
+def prompt_piece(job: Job, finish_reason: str | None = None) -> Piece:
+    """The prompt, as echo writes it before the completion: its text, ids and logprobs
+    (the first token has none: nothing comes before it)."""
+    entries = job.prompt_logprobs or [None] * len(job.prompt.ids)
+    return Piece(job.prompt.text or "", list(job.prompt.ids), list(entries), finish_reason)
 
 
 def _choices(call: Call) -> dict[int, Choice]:
-    return {
-        j.index * call.n + i: Choice(j.index * call.n + i) for j in call.jobs for i in range(call.n)
-    }
+    """Prompt i's sample j is choice i * n + j, as in OpenAI's API."""
+    numbers = [job.index * call.n + j for job in call.jobs for j in range(call.n)]
+    return {number: Choice(number) for number in numbers}
 
 
 async def complete(state: ServerState, request: Request, call: Call) -> Response:
     """The whole answer as one JSON response (a client that disconnects meanwhile aborts
     it: 499, as nginx logs it)."""
-    choices, head = _choices(call), _head(state, call)
+    choices = _choices(call)
 
     async def collect() -> None:
         async for job, out in results(state, call):
@@ -90,9 +97,6 @@ async def complete(state: ServerState, request: Request, call: Call) -> Response
                 piece = piece_of(job, out, o)
                 if piece is not None:
                     choices[job.index * call.n + o.index].add(piece)
-                    choices[job.index * call.n + o.index].num_generated += len(o.token_ids) * (
-                        not job.echo_only
-                    )
 
     gathering = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -102,32 +106,23 @@ async def complete(state: ServerState, request: Request, call: Call) -> Response
         return Response(status_code=499)
     gone.cancel()
     gathering.result()  # an engine failure raises its ApiError here
-    body = await state.run(_whole, state, call, choices, head)
+    body = await state.run(_whole, state, call, choices)
     return Response(body, media_type="application/json")
 
 
-def _whole(state: ServerState, call: Call, choices: dict[int, Choice], head: dict) -> bytes:
+def _whole(state: ServerState, call: Call, choices: dict[int, Choice]) -> bytes:
     """The response body (built in the thread pool: token texts, JSON)."""
     out = []
-    for index in sorted(choices):
-        piece = choices[index].take()
-        job = call.jobs[index // call.n]
-        if job.echo and not job.echo_only:
-            prompt = job.prompt_logprobs or [None] * len(job.prompt.ids)
-            piece = Piece(
-                job.prompt.text + piece.text,
-                job.prompt.ids + piece.ids,
-                list(prompt) + piece.entries,
-                piece.finish_reason,
-                piece.stop_reason,
-            )
-        out.append(
-            choice_json(
-                choices[index], piece, call.chat, False, call.top_logprobs, state.token_text
-            )
+    for number, choice in sorted(choices.items()):
+        job = call.jobs[number // call.n]
+        if job.echo and not job.echo_only:  # its prompt logprobs came with the outputs
+            choice.pieces.insert(0, prompt_piece(job))
+        part = choice_json(
+            choice, choice.take(), call.chat, False, call.top_logprobs, state.token_text
         )
+        out.append(part)
     generated = sum(c.num_generated for c in choices.values())
-    body = {**head, "choices": out, "usage": usage(_prompt_tokens(call), generated)}
+    body = {**_head(state, call), "choices": out, "usage": usage(_prompt_tokens(call), generated)}
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
@@ -135,42 +130,41 @@ def stream(state: ServerState, call: Call) -> StreamingResponse:
     """Server-sent events: a chunk per output that adds text (or ends a choice), an
     error event if the call fails, the usage chunk if asked, then [DONE]."""
     choices, head = _choices(call), _head(state, call)
-    text = state.token_text
 
     def sse(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    def chunk(choice: Choice) -> str:
+        part = choice_json(
+            choice, choice.take(), call.chat, True, call.top_logprobs, state.token_text
+        )
+        return sse({**head, "choices": [part]})
+
     async def events() -> AsyncIterator[str]:
-        generated, failed = 0, None
+        failed, echoed = None, set()
         try:
             async for job, out in results(state, call):
                 for o in out.outputs:
-                    generated += 0 if job.echo_only else len(o.token_ids)
                     choice = choices[job.index * call.n + o.index]
                     piece = piece_of(job, out, o)
                     if piece is None or choice.finish_reason is not None:
                         continue
-                    if job.echo and not job.echo_only and not choice.started:
-                        prompt = job.prompt_logprobs or [None] * len(job.prompt.ids)
-                        choice.add(Piece(job.prompt.text or "", list(job.prompt.ids), list(prompt)))
+                    if job.echo and not job.echo_only and choice.index not in echoed:
+                        echoed.add(choice.index)  # the prompt goes before the first text
+                        choice.add(prompt_piece(job))
                     choice.add(piece)
                     if piece.text or piece.finish_reason is not None:  # else: wait for text
-                        part = choice_json(
-                            choice, choice.take(), call.chat, True, call.top_logprobs, text
-                        )
-                        yield sse({**head, "choices": [part]})
+                        yield chunk(choice)
         except ApiError as err:
             failed = err
-        if failed is not None:
+        if failed is not None:  # the failed choices end with "abort", then the error
             for choice in choices.values():
                 if choice.finish_reason is None:
                     choice.add(Piece(finish_reason="abort"))
-                    part = choice_json(
-                        choice, choice.take(), call.chat, True, call.top_logprobs, text
-                    )
-                    yield sse({**head, "choices": [part]})
+                    yield chunk(choice)
             yield sse(error_body(str(failed), failed.param, failed.status))
         elif call.include_usage:
+            generated = sum(c.num_generated for c in choices.values())
             yield sse({**head, "choices": [], "usage": usage(_prompt_tokens(call), generated)})
         yield "data: [DONE]\n\n"
 
@@ -200,7 +194,3 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def error_json(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(str(err), err.param, err.status), status_code=err.status)

@@ -130,36 +130,43 @@ def check_model(name: str | None, served: str) -> None:
         )
 
 
-def longest_token_chars(tok: Tokenizer) -> int:
+def longest_token_chars(tok: Tokenizer) -> int | None:
     """The most characters one token stands for: a text longer than context * this cannot
-    fit, and is refused without tokenizing it."""
+    fit, and is refused without tokenizing it. None when no such bound is safe: a
+    normalizer or a splitting pre-tokenizer may delete characters (BERT-style), so such a
+    tokenizer's text is tokenized first (the body limit bounds how long that takes)."""
+    pre = repr(tok.tok.pre_tokenizer)
+    if tok.tok.normalizer is not None or "Whitespace" in pre or "Removed" in pre:
+        return None
     return max(1, *(len(tok.decode([i], False)) for i in range(tok.vocab_size)))
 
 
+def check_chars(num_chars: int, context: int, chars: int | None, param: str) -> None:
+    """Refuse a text that cannot fit in the context whatever its tokens (see above)."""
+    if chars is not None and num_chars > context * chars:
+        raise ApiError(
+            f"{param} has {num_chars} characters, so at least {-(-num_chars // chars)} tokens "
+            f"(no token here is longer than {chars} characters): more than the model's "
+            f"context of {context}",
+            param,
+        )
+
+
 def encode_texts(
-    texts: list[str], tok: Tokenizer, context: int, chars: int, special: bool
+    texts: list[str], tok: Tokenizer, context: int, chars: int | None, special: bool
 ) -> list[list[int]]:
     for text in texts:
-        if len(text) > context * chars:
-            raise ApiError(
-                f"the prompt has {len(text)} characters, so at least "
-                f"{-(-len(text) // chars)} tokens (no token here is longer than {chars} "
-                f"characters): more than the model's context of {context}",
-                "prompt",
-            )
+        check_chars(len(text), context, chars, "prompt")
     return tok.encode_batch(texts, add_special_tokens=special)
 
 
 def completion_prompts(
-    body: CompletionRequest, tok: Tokenizer, context: int, chars: int, max_prompts: int
+    body: CompletionRequest, tok: Tokenizer, context: int, chars: int | None, max_prompts: int
 ) -> list[Prompt]:
     """The prompts of a completion request: text, ids, or a batch of either."""
     prompt = body.prompt
-    batch = (
-        prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-        else [prompt]
-    )
+    batched = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    batch = prompt if batched else [prompt]
     if not prompt or any(len(p) == 0 for p in batch):
         raise ApiError("prompt is empty: give at least one token", "prompt")
     if len(batch) > max_prompts:
@@ -179,7 +186,7 @@ def chat_prompt(
     tok: Tokenizer,
     template: str | None,
     context: int,
-    chars: int,
+    chars: int | None,
 ) -> Prompt:
     """The conversation in the model's own chat template (or the server's --chat-template),
     with its real special tokens: the same ids as transformers' apply_chat_template."""
@@ -199,8 +206,7 @@ def chat_prompt(
             content = "".join(part.text for part in m.content)
         message = {"role": m.role, "content": content}
         plain.append({**message, "name": m.name} if m.name is not None else message)
-    if sum(len(m["content"]) for m in plain) > context * chars:
-        encode_texts(["".join(m["content"] for m in plain)], tok, context, chars, False)
+    check_chars(sum(len(m["content"]) for m in plain), context, chars, "messages")
     try:
         text = tok.render_chat(plain, add_generation_prompt, template)
     except ValueError as err:  # no template, or the template's raise_exception
