@@ -257,11 +257,17 @@ def sampling_params(
             **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as err:
-        raise ApiError(str(err)) from None
+        raise ApiError(str(err), _param_of(str(err))) from None
 
 
 def check_request(engine: Engine, prompt: Prompt, params: SamplingParams) -> None:
     try:
         engine.check_request(prompt.ids, params)
     except ValueError as err:
-        raise ApiError(str(err)) from None
+        raise ApiError(str(err), _param_of(str(err))) from None
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams or engine message is about ("seed=...: ..." -> seed)."""
+    found = re.match(r"(\w+)(=|\[| token ids| \()", message)
+    return found.group(1) if found else None
