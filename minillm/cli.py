@@ -128,6 +128,9 @@ def _serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
+        chat_template=args.chat_template,
+        max_body_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -194,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks", type=int, default=None, help="KV blocks (default: all full-length)"
     )
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    srv.add_argument(
+        "--chat-template", default=None, help="a Jinja file used instead of the model's own"
+    )
+    srv.add_argument(
+        "--max-request-bytes", type=int, default=2 * 2**20, help="larger bodies get 413"
+    )
+    srv.add_argument(
+        "--shutdown-timeout", type=float, default=5.0, help="seconds to drain on SIGTERM"
+    )
     srv.set_defaults(func=_serve)
 
     from minillm.bench import add_arguments as bench_arguments

@@ -133,6 +133,12 @@ def speculative_generate(
         )
     if k < 1:
         raise ValueError(f"k={k}: propose at least one token per round (plain decoding is k=0)")
+    if params.adjusts_logits or params.logprobs is not None or params.num_samples > params.n:
+        raise ValueError(
+            "speculative decoding here verifies against the model's plain distribution: "
+            "penalties, logit_bias, min_tokens, logprobs and best_of are not supported "
+            "(use minillm.generate or the engine)"
+        )
     check_length(target, len(prompt), params.max_tokens)
     check_length(draft, len(prompt), params.max_tokens)
     max_len = len(prompt) + params.max_tokens
