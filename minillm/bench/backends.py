@@ -192,21 +192,18 @@ class TensorRTBackend(Backend):
 
 
 class EngineBackend(Backend):
-    """Chapter 08's continuous-batching engine, in process. Its KV pool holds `POOL_TOKENS`
-    tokens (the engine's default, 32 sequences of the full context, would be 11 GiB of fp32
-    K/V for SmolLM2's 8k context, allocated up front); on a CPU its weights take the decode
-    layout (`minillm.model.layout`)."""
+    """Chapter 08's continuous-batching engine, in process, as `python -m minillm serve
+    --num-blocks 1024` runs it: its KV pool holds `POOL_TOKENS` tokens (the engine's default,
+    32 sequences of the full context, would be 11 GiB of fp32 K/V for SmolLM2's 8k context,
+    allocated up front)."""
 
     concurrent = True
 
     def load(self) -> None:
         from minillm.engine import Engine
-        from minillm.model.layout import decode_layout
         from minillm.model.weights import load_model, load_tokenizer
 
         model = load_model(self.model_path, device=self.device)
-        if model.lm_head.weight.device.type == "cpu":
-            decode_layout(model)
         blocks = POOL_TOKENS // 16  # blocks of 16 tokens
         self.engine = Engine(model, load_tokenizer(self.model_path), num_blocks=blocks)
 
