@@ -6,6 +6,8 @@
 #   make course              Jupyter Lab on notebooks/ (NO_BROWSER=1 to not open a browser)
 #   make test                ruff + the test suite (against solutions/) + the notebooks
 #   make grade CH=01         grade YOUR exercises of chapter 01 (no CH: all chapters)
+#   make notebooks NB=02     re-run notebook 02 (no NB: all) and save outputs that read
+#                            well unrun (notebooks/save.py)
 #   make lint | format       ruff check / ruff fix + format
 #   make gpu-check           GPU machine: check the GPU half (own python3; benchmarks/results/)
 #   make clean               delete .venv and caches
@@ -34,7 +36,7 @@ REQS := $(if $(GPU),requirements-gpu.txt,requirements.txt)
 TEST_ENV := MINILLM_IMPL=solutions HF_HUB_OFFLINE=1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv course test grade lint format clean gpu-check
+.PHONY: help venv course test grade notebooks lint format clean gpu-check
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -67,6 +69,11 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(BIN)/pytest -q tests $(NOTEBOOKS) --nbval-lax --nbval-current-env
+
+# The committed outputs: each notebook run top to bottom with the reference solutions, then
+# tidied (no widget progress bars, no timestamps) by notebooks/save.py.
+notebooks: $(STAMP)
+	cd notebooks && $(TEST_ENV) ../$(BIN)/python save.py $(if $(NB),$(NB)_*.ipynb,[0-9][0-9]_*.ipynb)
 
 # Grades exercises/ instead of solutions/; test names carry the chapter (ch01, ch02, ...).
 grade: $(STAMP)

@@ -1,0 +1,99 @@
+"""Run notebooks top to bottom and save them with outputs that read well unrun.
+
+    python notebooks/save.py 02_kv_cache.ipynb [...]     # run, then tidy and save
+    python notebooks/save.py --tidy-only 02_kv_cache.ipynb  # only tidy what is saved
+
+A notebook opened on GitHub, or untrusted in Jupyter, shows its saved outputs as they are.
+Executed by nbconvert, those carry what only a live kernel renders well: tqdm's widget bars
+(saved as a widget reference that shows as raw text or "model not found"), text bars frozen
+mid-way by carriage returns, and per-cell execution timestamps that turn every re-run into a
+diff. `tidy` removes the first, keeps the last state of the second, drops the third and
+writes the kernelspec JupyterLab writes back, so an opened notebook is not marked modified.
+`tests/test_notebooks.py` checks the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+WIDGET = "application/vnd.jupyter.widget-view+json"
+BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+")  # a tqdm bar: "timing: 40%|####  | 2/5 [...]"
+
+
+def _last_state(text: str) -> str:
+    """A stream as a terminal leaves it: each line's text after its last carriage return,
+    and no progress bar that did not reach its end (those are left by leave=False bars)."""
+    kept = []
+    for line in text.split("\n"):
+        shown = line.split("\r")[-1]
+        bar = BAR.search(shown)
+        if bar and not re.search(r"(\d+)/\1\b", shown):
+            continue
+        if shown.strip() or not line:
+            kept.append(shown)
+    return "\n".join(kept)
+
+
+def tidy(nb: dict) -> dict:
+    """The notebook with its outputs as they should be saved (see the module docstring)."""
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+        outputs = []
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET in data and BAR.search("".join(data.get("text/plain", ""))):
+                continue  # a tqdm widget: nothing to show without its kernel
+            if out.get("output_type") == "stream":
+                text = _last_state("".join(out["text"]))
+                if not text.strip():
+                    continue
+                out["text"] = text
+            outputs.append(out)
+        if cell["cell_type"] == "code":
+            cell["outputs"] = outputs
+    nb["metadata"]["kernelspec"] = dict(KERNELSPEC)
+    return nb
+
+
+def write(nb: dict, path: Path) -> None:
+    """The repository's notebook format: one-space indent, sorted keys, UTF-8 as is."""
+    path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def run(path: Path, timeout: int) -> dict:
+    """Execute `path` in its own folder with this Python's kernel; raises on a failing cell."""
+    import nbformat
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbformat.read(path, as_version=4)
+    ExecutePreprocessor(timeout=timeout, kernel_name="python3").preprocess(
+        nb, {"metadata": {"path": str(path.parent)}}
+    )
+    return json.loads(nbformat.writes(nb))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="+", help="file names in notebooks/ or paths")
+    parser.add_argument("--tidy-only", action="store_true", help="do not execute, only tidy")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per cell (900)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # notebooks never download by default
+    for name in args.notebooks:
+        path = Path(name) if Path(name).exists() else HERE / name
+        if not path.exists():
+            sys.exit(f"{name}: no such notebook (give a file in {HERE} or a path)")
+        nb = json.loads(path.read_text()) if args.tidy_only else run(path, args.timeout)
+        write(tidy(nb), path)
+        print(f"saved {path.name}")
+
+
+if __name__ == "__main__":
+    main()
