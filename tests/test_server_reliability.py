@@ -222,6 +222,12 @@ async def _post(client, url, body):
     return r.status_code, r.json()
 
 
+def _good(client, url, max_tokens):
+    """The 16 good requests (greedy, fixed length), as coroutines to gather."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return [_post(client, url, {"prompt": p, **body}) for p in GOOD]
+
+
 def test_a_bad_request_among_16_good_ones_leaves_their_tokens_alone(server, model, tok):
     url = server[0]
     want = offline_texts(
@@ -230,14 +236,7 @@ def test_a_bad_request_among_16_good_ones_leaves_their_tokens_alone(server, mode
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
-            good = [
-                _post(
-                    client,
-                    url,
-                    {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True},
-                )
-                for p in GOOD
-            ]
+            good = _good(client, url, 40)
             bad = [
                 _post(client, url, {"prompt": [5, 99999], "max_tokens": 40}),
                 _post(client, url, {"prompt": "a", "seed": 2**64, "n": 2}),
@@ -279,14 +278,7 @@ def test_a_request_failing_inside_the_engine_fails_alone(model, tok):
 
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
-                good = [
-                    _post(
-                        client,
-                        url,
-                        {"prompt": p, "max_tokens": 30, "temperature": 0, "ignore_eos": True},
-                    )
-                    for p in GOOD
-                ]
+                good = _good(client, url, 30)
 
                 async def streamed():
                     async with client.stream("POST", url + C, json={**bad, "stream": True}) as r:
