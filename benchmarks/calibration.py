@@ -25,15 +25,13 @@ same run; quality figures are deterministic for a given calibration set.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import report
 from minillm import SamplingParams, generate, load_model, load_tokenizer
 from minillm.cache import KVCache
 from minillm.lab import (
@@ -285,28 +283,19 @@ def print_width(r: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    ap = report.parser(__doc__, quick="smaller sizes (about 30 s)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(SEED)
-    t0 = time.perf_counter()
-    print(f"torch {torch.__version__}, {args.threads} thread(s), quick={args.quick}")
+    run = report.start("calibration", args, seed=SEED)
 
     cal = calibration(**({"n_batches": 4, "max_windows": 16} if args.quick else {}))
     print_calibration(cal)
     fus = fusion(repeats=10 if args.quick else 30)
     print_fusion(fus)
 
-    results = {"threads": args.threads, "quick": args.quick, "calibration": cal, "fusion": fus}
+    results = {"calibration": cal, "fusion": fus}
     if not args.quick:
         results["fusion_135m"] = wide = fusion_at_width()
         print_width(wide)
-    results["seconds"] = time.perf_counter() - t0
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     q = cal["quality"]
     ppl = ", ".join(f"{k.removeprefix('int8 ')} {v['perplexity']:.2f}" for k, v in q.items())
     agree = ", ".join(
@@ -316,18 +305,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     o = fus["ops"]
     s = fus["time_fused_over_unfused"]
     summary = (
-        f"SUMMARY calibration: perplexity {ppl}; agreement with fp32 {agree}; Q/DQ graphs on "
-        f"ORT: perplexity {qdq}; fusion: "
-        f"logits max diff {fus['max_abs_diff']:.1g}, same tokens {fus['same_greedy_tokens']}, "
-        f"compute ops per forward {o['unfused']['compute_ops']} -> "
+        f"perplexity {ppl}; agreement with fp32 {agree}; Q/DQ graphs on ORT: perplexity {qdq}; "
+        f"fusion: logits max diff {fus['max_abs_diff']:.1g}, same tokens "
+        f"{fus['same_greedy_tokens']}, compute ops per forward {o['unfused']['compute_ops']} -> "
         f"{o['fused']['compute_ops']} (GEMMs {o['unfused']['gemms']} -> {o['fused']['gemms']}), "
         f"time fused/unfused prefill {s['prefill']:.2f}x, decode {s['decode']:.2f}x"
     )
     if "fusion_135m" in results:
         w = results["fusion_135m"]["time_fused_over_unfused"]
         summary += f" (135M shape: prefill {w['prefill']:.2f}x, decode {w['decode']:.2f}x)"
-    print(f"{summary}; {args.threads} thread(s), {results['seconds']:.0f} s")
-    return results
+    return run.finish(results, summary)
 
 
 if __name__ == "__main__":

@@ -33,18 +33,16 @@ smaller sizes.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import report
 from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
 from minillm.cache import KVCache
 from minillm.lab import format_bytes, measure_roofline, paired_ratios, profile_split, time_samples
@@ -527,32 +525,24 @@ def print_roofline(r: dict[str, Any], name: str = "SmolLM2-135M") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = report.parser(__doc__, quick="smaller sizes (a few minutes)")
     ap.add_argument(
         "--model", default="smollm2", help="smollm2 (default), bundled, or a checkpoint"
     )
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
     ap.add_argument(
         "--e2e",
         default=None,
         help="total lengths for the end-to-end measurement, e.g. 256,1024 (default: 256,1024; "
         "--quick: 256). 1024 on SmolLM2 takes most of an hour (the naive loop)",
     )
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), ...")
-    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(SEED)
-    t0 = time.perf_counter()
+    run = report.start(f"kv-cache ({args.model})", args, seed=SEED)
     name = model_name(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    print(
-        f"torch {torch.__version__}, {args.threads} thread(s), quick={args.quick}, "
-        f"model {args.model}, {str(dtype).removeprefix('torch.')} on {device.type}"
-    )
+    print(f"model {args.model}, {str(dtype).removeprefix('torch.')} on {device.type}")
     if args.quick:
         lengths, e2e_lengths, predict_at, new_tokens, ctx = [64, 256, 512], [256], [1024], 64, 32
     else:
@@ -589,8 +579,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print_gqa(gqa, alloc, tokens)
 
     results = {
-        "threads": args.threads,
-        "quick": args.quick,
         "model": args.model,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device.type,
@@ -602,16 +590,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "kv_allocation": alloc,
         "hf": hf,
         "roofline": roof,
-        "seconds": time.perf_counter() - t0,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     measured = e2e[-1]
     pred = predicted[predict_at[-1]]
     ratios = hf["time_ratio"]
     summary = (
-        f"SUMMARY kv-cache ({args.model}): speedup {measured['speedup']:.1f}x at "
+        f"speedup {measured['speedup']:.1f}x at "
         f"{measured['total']} tokens (measured), {pred['speedup']:.1f}x at {predict_at[-1]} "
         f"(predicted); step at {lengths[-1]}: {costs['ratio'][-1]:.1f}x; HF use_cache=True "
         f"takes {ratios['HF use_cache=True']:.2f}x minillm's time"
@@ -625,11 +609,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"; GQA saves {gqa[0]['saving']:.0f}x (SmolLM2-135M), {gqa[1]['saving']:.0f}x "
         f"(Llama-3-8B); decode at "
         + ", ".join(f"{v[k]['fraction_of_bound']:.0%} ({k})" for k in v)
-        + f" of the read-bandwidth bound ({roof['bound_tokens_per_s']:.1f} tok/s); "
-        f"{args.threads} thread(s), {results['seconds']:.0f} s"
+        + f" of the read-bandwidth bound ({roof['bound_tokens_per_s']:.1f} tok/s)"
     )
-    print(summary)
-    return results
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+    return run.finish(results, summary)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,13 @@ The last line is one `SUMMARY kv-quant:` line.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import report
 from benchmarks.paged import BUDGET, make_trace, simulate
 from minillm import SamplingParams, load_model, load_tokenizer
 from minillm.cache import KVCache
@@ -130,22 +127,17 @@ def print_quality(rows: list[dict[str, Any]], tokens: int, ref_dtype: torch.dtyp
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = report.parser(__doc__, quick="fewer windows and tokens (~30 s)")
     ap.add_argument("--model", default="smollm2", help="model name or directory (smollm2)")
-    ap.add_argument("--quick", action="store_true", help="fewer windows and tokens (~30 s)")
     ap.add_argument("--tokens", type=int, help="greedy tokens per prompt (256; quick 96)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(SEED)
-    t0 = time.perf_counter()
+    run = report.start("kv-quant", args, seed=SEED)
     model = load_model(args.model, dtype="auto", device="auto")
     tok = load_tokenizer(args.model)
     cfg = model.config
     requests, windows = (300, 4) if args.quick else (1000, 16)
     tokens = args.tokens or (96 if args.quick else 256)
-    print(f"torch {torch.__version__}, {args.model} on {model.lm_head.weight.device}")
+    print(f"{args.model} on {model.lm_head.weight.device}")
 
     memory = memory_table(cfg, requests)
     print_memory(memory, requests)
@@ -162,22 +154,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "quality": quality,
         "windows": windows,
         "tokens": tokens,
-        "seconds": time.perf_counter() - t0,
     }
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     mem = {r["format"]: r for r in memory}
     q = {r["format"]: r for r in quality}
-    print(
-        f"SUMMARY kv-quant: {args.model}; int8 K/V {mem['int8']['vs_bf16']:.2f}x fewer bytes "
+    summary = (
+        f"{args.model}; int8 K/V {mem['int8']['vs_bf16']:.2f}x fewer bytes "
         f"than bf16, requests running at once {mem['bf16']['mean_running']:.1f} -> "
         f"{mem['int8']['mean_running']:.1f}; perplexity delta int8 {q['int8']['ppl_delta']:+.2%}, "
         f"fp8_e4m3 {q['fp8_e4m3']['ppl_delta']:+.2%}, fp8_e5m2 {q['fp8_e5m2']['ppl_delta']:+.2%}; "
         f"greedy identical over {tokens} tokens: int8 {q['int8']['identical']:.0%}, "
-        f"e4m3 {q['fp8_e4m3']['identical']:.0%}, e5m2 {q['fp8_e5m2']['identical']:.0%}; "
-        f"{results['seconds']:.0f} s"
+        f"e4m3 {q['fp8_e4m3']['identical']:.0%}, e5m2 {q['fp8_e5m2']['identical']:.0%}"
     )
-    return results
+    return run.finish(results, summary)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ scores ours only. One SUMMARY line.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import shutil
 import subprocess
 import sys
@@ -28,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,19 +117,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from minillm.quant.gptq import gptq_quantize_model
     from minillm.training import held_out_ids, next_token_agreement, perplexity
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = report.parser(__doc__, quick="8 held-out windows")
     ap.add_argument("--python", default=None, help="a python with llmcompressor installed")
     ap.add_argument("--model", default="bundled")
     ap.add_argument("--group", type=int, default=None)
     ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="8 held-out windows")
     ap.add_argument(
         "--library-only", action="store_true", help="skip our GPTQ/AWQ (quant_methods has them)"
     )
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    run = report.start(f"llm_compressor {args.model}", args)
     name = None if args.model == "bundled" else args.model
     model_dir = BUNDLED_DIR if name is None else resolve_model_dir(name)
     base, tok = load_model(name), load_tokenizer(name)
@@ -167,10 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {label:<36}{ppl:>9.3f}{100 * (ppl / base_ppl - 1):>+8.2f}%{agree:>8.3f}")
     for label, why in notes.items():
         print(f"  {label}: {why}")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "notes": notes}, indent=2))
     parts = [f"{k} {100 * v['ppl_delta']:+.2f}%" for k, v in rows.items() if k != "fp32"]
-    print(f"SUMMARY llm_compressor {args.model}: ppl delta " + ", ".join(parts))
+    run.finish({"rows": rows, "notes": notes}, "ppl delta " + ", ".join(parts))
     return rows
 
 

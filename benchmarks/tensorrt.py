@@ -2,7 +2,9 @@
 TensorRT providers on the same token ids, against eager fp32 (logit error, argmax agreement,
 time ratio). Needs an NVIDIA GPU with torch-tensorrt and onnxruntime-gpu.
 
-    python -m benchmarks.tensorrt [--json out.json]
+    python -m benchmarks.tensorrt [--model DIR] [--threads N] [--json out.json]
+
+The last line is one `SUMMARY tensorrt:` line: each backend at the largest shape.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import report
 from minillm.export.tensorrt import (
     ShapeProfile,
     compile_tensorrt,
@@ -126,15 +129,12 @@ def multi_stream_ratio(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    import argparse
-    import json
-
     from minillm.model import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: bundled)")
-    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    run = report.start("tensorrt", args)
     result = compare_backends(load_model(args.model))
     for row in result["rows"]:
         print(
@@ -143,9 +143,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     for name, err in result["errors"].items():
         print(f"{name}: failed: {err}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result
+    return run.finish(result, summary(result))
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The SUMMARY text: each backend's time ratio and argmax agreement at the largest
+    (batch, seq), then the backends that failed to build."""
+    largest = max((tuple(r["shape"]) for r in result["rows"]), key=lambda s: s[0] * s[1])
+    at = [
+        r for r in result["rows"] if tuple(r["shape"]) == largest and r["backend"] != "eager fp32"
+    ]
+    text = f"{result['gpu']}, shape {largest}, time vs eager fp32 (argmax agreement): " + (
+        ", ".join(
+            f"{r['backend']} {r['time_vs_eager_fp32']:.2f}x ({r['argmax_agreement']:.0%})"
+            for r in at
+        )
+        or "no backend built"
+    )
+    if result["errors"]:
+        text += "; failed: " + ", ".join(result["errors"])
+    return text
 
 
 if __name__ == "__main__":
