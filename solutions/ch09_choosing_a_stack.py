@@ -15,5 +15,5 @@ def request_metrics(
     e2e = end - send
     # TPOT counts tokens, not chunks: a chunk may carry several tokens.
     tpot = (e2e - ttft) / (num_tokens - 1) if ttft is not None and num_tokens > 1 else None
-    itl = [b - a for a, b in zip(token_times, token_times[1:])]  # gaps between chunks
+    itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]  # gaps between chunks
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
