@@ -16,6 +16,7 @@ from minillm.generation.static import (
     decode_step,
     explain_step,
     naive_decode_step,
+    recorded_recompiles,
 )
 
 
@@ -127,6 +128,32 @@ def test_shrinking_kv_len_recompiles(tiny, dynamic, graphs):
             logits = step(tiny, cache, logits.argmax(-1)[:, None], pos[:, None])
             pos = pos + 1
     assert counter.graphs == graphs
+
+
+def test_recorded_recompiles_names_the_failed_guard_quietly(tiny, capfd):
+    """One line per recompile (the guard that failed, where it was read), nothing on
+    stderr, and the torch._dynamo log level of before restored."""
+    import logging
+
+    dynamo = logging.getLogger("torch._dynamo")
+    before = dynamo.level
+    dynamo.setLevel(logging.ERROR)
+    counter = CompileCounter("eager")
+    step = compile_decode_step(backend=counter, dynamic=False)
+    try:
+        with recorded_recompiles() as why, torch.inference_mode():
+            cache, logits, pos = prefill(tiny, [[1, 2, 3]], 4)
+            for _ in range(3):
+                cache.kv_len = int(pos.max()) + 1
+                logits = step(tiny, cache, logits.argmax(-1)[:, None], pos[:, None])
+                pos = pos + 1
+        assert dynamo.level == logging.ERROR
+    finally:
+        dynamo.setLevel(before)
+    assert counter.graphs == 3 and len(why) == 2, (counter.graphs, why)
+    assert why[0].startswith("cache.kv_len == 4 (read in minillm/cache/contiguous.py:"), why
+    assert "causal_mask" in why[0]
+    assert "Recompiling" not in capfd.readouterr().err
 
 
 @pytest.mark.slow

@@ -17,7 +17,10 @@ Prefill (the prompt, a different T) stays eager; only the per-token step is comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +99,50 @@ class CompileCounter:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         self.graphs += 1
         return self.backend(gm, example_inputs)
+
+
+_RECOMPILES = "torch._dynamo.guards.__recompiles"  # the logger behind TORCH_LOGS=recompiles
+
+
+@contextmanager
+def recorded_recompiles() -> Iterator[list[str]]:
+    """Collect why dynamo recompiled, one line per recompile, instead of printing its log.
+
+    `torch._logging.set_logs(recompiles=True)` prints a multi-line record per recompile
+    (the failed guards, then the user stack). Here each record becomes one line: the first
+    guard that failed and where the guarded value was read, e.g. `cache.kv_len == 17 (read
+    in minillm/cache/contiguous.py:93 in causal_mask)`. Nothing reaches stderr, and the
+    logging levels in force before are restored after."""
+    reasons: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reasons.append(_first_guard(record.getMessage()))
+
+    dynamo = logging.getLogger("torch._dynamo")
+    level, logger, handler = dynamo.level, logging.getLogger(_RECOMPILES), _Keep()
+    torch._logging.set_logs(recompiles=True)
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        torch._logging.set_logs()  # back to torch's defaults, then to the caller's level
+        dynamo.setLevel(level)
+
+
+def _first_guard(message: str) -> str:
+    """`cache.kv_len == 17 (read in minillm/...:93 in causal_mask)` from a recompile record."""
+    for line in message.splitlines():
+        m = re.match(r"\s*- \d+/\d+: (.*)", line)
+        if m:
+            guard, _, source = m.group(1).partition("#")
+            where = source.rsplit("#", 1)[-1].strip()
+            where = where[where.find("minillm/") :] if "minillm/" in where else where
+            return f"{guard.strip()} (read in {where})" if where else guard.strip()
+    return message.splitlines()[0] if message else ""
 
 
 @dataclass

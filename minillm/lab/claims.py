@@ -36,6 +36,7 @@ SECTIONS_B = {
     5: "vLLM",
     6: "TGI",
     7: "engine comparison",
+    8: "summary",
 }
 
 VERDICTS = (
