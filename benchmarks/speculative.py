@@ -103,8 +103,11 @@ def step_cost_ratio(draft: Transformer, target: Transformer, context: int = 32, 
     return ratios["draft"]
 
 
-def speed(target, draft, prompts, params, ks, repeats: int) -> dict[int, float]:
-    """Speed-up of speculative_generate at each k over plain generate (same tokens)."""
+def speed(
+    target, draft, prompts, params, ks, repeats: int, progress: bool = True
+) -> dict[int, float]:
+    """Speed-up of speculative_generate at each k over plain generate (same tokens);
+    `progress=False` for a notebook, whose saved output would keep a frozen bar."""
     fns: dict[str, Any] = {
         "plain": lambda: [generate(target, [p], params) for p in prompts],
     }
@@ -113,7 +116,7 @@ def speed(target, draft, prompts, params, ks, repeats: int) -> dict[int, float]:
             speculative_generate(target, draft, p, params, k=k) for p in prompts
         ]
     with torch.inference_mode():
-        ratios = time_ratios(fns, "plain", repeats=repeats, warmup=1, progress=True)
+        ratios = time_ratios(fns, "plain", repeats=repeats, warmup=1, progress=progress)
     return {k: 1 / ratios[f"k={k}"] for k in ks}
 
 

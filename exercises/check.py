@@ -19,6 +19,7 @@ import importlib
 import io
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,11 @@ def _test_file(chapter: str) -> Path:
     return found[0]
 
 
-def check(exercise: str, fn: Callable[..., Any] | None = None, **fns: Callable[..., Any]) -> bool:
+def check(
+    exercise: str, fn: Callable[..., Any] | None = None, **fns: Callable[..., Any]
+) -> Verdict:
     """Run the tests of `exercise` ("ch02.cache_update": chapter, then the name the tests
-    carry) on your function(s) and print the verdict; True when every check passes.
+    carry) on your function(s) and print the verdict; truthy when every check passes.
 
     `fn` replaces the function named after the exercise; name others by keyword when an
     exercise has several (`check("ch10.verify", verify=my_verify, rollback=my_rollback)`).
@@ -104,19 +107,34 @@ def check(exercise: str, fn: Callable[..., Any] | None = None, **fns: Callable[.
     return _verdict(exercise, collect)
 
 
-def _verdict(exercise: str, collect: _Collect) -> bool:
+@dataclass(frozen=True)
+class Verdict:
+    """What `check` answers: true when every check passed. Its line is printed already, so
+    a notebook cell that ends with `check(...)` shows nothing more (no stray `False`)."""
+
+    exercise: str
+    passed: bool
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def _ipython_display_(self) -> None:
+        pass  # Jupyter: the verdict line above is the whole answer
+
+
+def _verdict(exercise: str, collect: _Collect) -> Verdict:
     total = len(collect.passed) + len(collect.failed)
     if total == 0:
         print(f"✗ {exercise}: no tests ran (is the exercise name right?)")
-        return False
+        return Verdict(exercise, False)
     if not collect.failed:
         print(f"✓ {exercise}: all {total} checks pass")
-        return True
+        return Verdict(exercise, True)
     test, message = collect.failed[0]
     if "not implemented yet" in message:
         print(f"… {exercise}: not yet: write the function's body, then run this cell again")
-        return False
+        return Verdict(exercise, False)
     test = test.split("::")[-1]
     print(f"✗ {exercise}: {len(collect.failed)} of {total} checks fail; the first, {test}:")
     print("    " + message.replace("\n", "\n    "))
-    return False
+    return Verdict(exercise, False)

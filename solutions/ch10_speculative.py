@@ -1,13 +1,32 @@
 """Chapter 10 reference answers: same API and docstrings' contract as
 `exercises/ch10_speculative.py`, in plain torch (read the docstrings there).
 
-The tests count draws against the target's distribution and compare with
-`minillm.generation.speculative`, so nothing here imports minillm.
+The tests decode with these against plain greedy decoding, count draws against the
+target's distribution and compare with `minillm.generation.speculative`, so nothing here
+imports minillm.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def greedy_verify(target_logits: torch.Tensor, proposal: list[int]) -> tuple[int, int]:
+    """Keep proposals while each is the target's argmax; then the target's own next token."""
+    choice = target_logits.argmax(dim=-1).tolist()  # the target's greedy pick at k + 1 places
+    kept = 0
+    while kept < len(proposal) and proposal[kept] == choice[kept]:
+        kept += 1
+    return kept, choice[kept]  # the correction at the first miss, or the bonus token
+
+
+def rollback_kv(
+    cache: list[tuple[torch.Tensor, torch.Tensor]], length: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K and V cut to the first `length` tokens (axis 2); shorter: unchanged."""
+    if length < 0:
+        raise ValueError(f"length={length}: keep 0 or more tokens")
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in cache]
 
 
 def accept_or_resample(

@@ -192,8 +192,10 @@ def speculate(
     while len(out) < params.max_tokens:
         # A round emits up to k_r + 1 tokens: never propose past max_tokens.
         k_r = min(k, params.max_tokens - len(out) - 1)
+        # Draft: up to k_r proposals (a lookup may find fewer, or none: a plain decode step).
         proposal, q_rows = proposer.propose(tokens, k_r, pick, stats) if k_r > 0 else ([], [])
-        k_r = len(proposal)  # a lookup may find fewer than k (or none: a plain decode step)
+        k_r = len(proposal)
+        # Verify: one target forward over its uncached tokens and the proposals, k_r + 1 rows.
         target_logits = tgt.feed(tokens[tgt.cached :] + proposal)[-(k_r + 1) :]
         q = None if params.greedy or not proposal else torch.stack(q_rows)
         if not proposal and not params.greedy:  # nothing proposed: plain sampling
@@ -209,7 +211,9 @@ def speculate(
             tokens.append(token)
             if token in stops:
                 return out, stats
-        tgt.keep(len(tokens) - 1)  # every cache holds all committed tokens but the last
+        # Roll back: each cache forgets the rejected proposals' K/V and keeps every
+        # committed token but the last (the next forward feeds it).
+        tgt.keep(len(tokens) - 1)
         proposer.keep(len(tokens) - 1)
     return out, stats
 

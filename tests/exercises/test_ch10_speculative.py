@@ -1,9 +1,15 @@
-"""Chapter 10 exercises: speculative sampling's acceptance rule, graded by counting.
+"""Chapter 10 exercises: speculative decoding's rules, graded against the target alone.
 
 `ch10` is `solutions.ch10_speculative` by default, `exercises.ch10_speculative` with
 MINILLM_IMPL=exercises (see conftest.py). `-k "ch10 and accept"` picks one exercise.
 
-The reference for the rule is a distribution, not a function: whatever the draft
+Greedy verification and the KV rollback are graded by decoding: a speculative loop (the
+bundled draft proposes, the bundled target verifies, both with a Hugging Face-style cache
+grown by concatenation) runs on the learner's `greedy_verify` and `rollback_kv`, must emit
+exactly the tokens of plain greedy decoding of the target, and must leave each cache
+holding exactly the committed tokens after every rollback.
+
+The reference for the sampling rule is a distribution, not a function: whatever the draft
 proposes, the emitted tokens must be distributed as the target's p. The tests draw
 thousands of rounds and compare the counts with p by Pearson's chi-square test at the
 1-in-1,000 level, then check the rule agrees with `minillm.generation.speculative` where the
@@ -17,8 +23,138 @@ import math
 import pytest
 import torch
 
-from minillm import SamplingParams, load_model
+from minillm import BUNDLED_DRAFT_DIR, SamplingParams, generate, load_model
+from minillm.cache.protocol import SdpaCache
 from minillm.generation import speculative_generate
+from minillm.generation.speculative import verify
+from minillm.model.transformer import Transformer
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_ch10_greedy_verify_by_hand(ch10):
+    logits = torch.full((4, 6), -1.0)
+    for row, best in enumerate([3, 1, 4, 1]):  # the target's greedy picks at the 4 places
+        logits[row, best] = 2.0
+    assert ch10.greedy_verify(logits, [3, 1, 5]) == (2, 4), "keep 3, 1; correct 5 to 4"
+    assert ch10.greedy_verify(logits, [3, 1, 4]) == (3, 1), "all kept: the bonus is row k"
+    assert ch10.greedy_verify(logits, [0, 1, 4]) == (0, 3), "the first is wrong: keep none"
+    assert ch10.greedy_verify(logits[:1], []) == (0, 3), "k = 0: a plain decode step"
+
+
+def test_ch10_greedy_verify_agrees_with_minillm(ch10):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        k = trial % 6
+        logits = torch.randn(k + 1, 11, generator=g)
+        best = logits.argmax(-1).tolist()
+        # proposals right up to a random point, then anything (right again by chance too)
+        cut = int(torch.randint(0, k + 1, (), generator=g))
+        tail = torch.randint(0, 11, (k,), generator=g).tolist()
+        proposal = best[:cut] + tail[cut:k]
+        got = ch10.greedy_verify(logits, proposal)
+        want = verify(logits, proposal, None, GREEDY)
+        assert tuple(got) == want, f"k={k}, proposal {proposal}, argmax {best}: {got} != {want}"
+
+
+def random_cache(layers=3, tokens=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(2, 3, tokens, 4, generator=g), torch.randn(2, 3, tokens, 4, generator=g))
+        for _ in range(layers)
+    ]
+
+
+def test_ch10_rollback_kv_keeps_the_first_tokens(ch10):
+    cache = random_cache()
+    for length, held in ((6, 6), (1, 1), (0, 0), (10, 10), (12, 10)):
+        cut = ch10.rollback_kv(cache, length)
+        assert len(cut) == len(cache), f"rollback to {length}: {len(cut)} layers, not 3"
+        for i, ((k, v), (k0, v0)) in enumerate(zip(cut, cache, strict=True)):
+            assert k.shape == v.shape == (2, 3, held, 4), (
+                f"rollback to {length}: layer {i} K {tuple(k.shape)}, V {tuple(v.shape)}; "
+                f"expected (2, 3, {held}, 4): the token axis is 2"
+            )
+            assert torch.equal(k, k0[:, :, :held]) and torch.equal(v, v0[:, :, :held]), (
+                f"rollback to {length}: layer {i} does not hold the first {held} tokens' K/V"
+            )
+    with pytest.raises(ValueError):
+        ch10.rollback_kv(cache, -1)
+
+
+class ConcatKV(SdpaCache):
+    """Hugging Face's cache layout: per layer one (K, V) [1, kv_heads, tokens, head_dim],
+    grown by concatenation; `layers` is what `rollback_kv` cuts."""
+
+    def __init__(self, model: Transformer) -> None:
+        cfg = model.config
+        empty = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim)
+        self.layers = [(empty, empty) for _ in range(cfg.num_hidden_layers)]
+        self.start = 0  # tokens held before this forward (every layer's mask uses it)
+
+    @property
+    def lengths(self) -> set[int]:
+        return {t.shape[2] for kv in self.layers for t in kv}
+
+    def update(self, layer, k, v, positions):
+        pk, pv = self.layers[layer]
+        self.layers[layer] = (torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+        return self.layers[layer]
+
+    def causal_mask(self, positions):
+        slots = torch.arange(self.start + positions.shape[1])
+        return (slots <= positions[..., None])[:, None]
+
+    def feed(self, model: Transformer, tokens: list[int]) -> torch.Tensor:
+        """Logits [len(tokens), vocab] of tokens placed after the cached ones."""
+        (self.start,) = self.lengths
+        positions = torch.arange(self.start, self.start + len(tokens))[None]
+        return model(torch.tensor([tokens]), positions, cache=self)[0]
+
+
+@torch.inference_mode()
+def speculative_greedy(ch10, target, draft, prompt, n_new, k):
+    """The loop of minillm.generation.speculative.speculate, greedy, on the learner's
+    greedy_verify and rollback_kv."""
+    caches = {"target": ConcatKV(target), "draft": ConcatKV(draft)}
+    tokens, out = list(prompt), []
+    while len(out) < n_new:
+        dc = caches["draft"]
+        (held,) = dc.lengths
+        logits, proposal = dc.feed(draft, tokens[held:])[-1], []
+        for i in range(k):  # the draft proposes k tokens, greedily
+            proposal.append(int(logits.argmax()))
+            if i < k - 1:
+                logits = dc.feed(draft, proposal[-1:])[-1]
+        (held,) = caches["target"].lengths  # the target checks them in one forward
+        rows = caches["target"].feed(target, tokens[held:] + proposal)[-(k + 1) :]
+        kept, nxt = ch10.greedy_verify(rows, proposal)
+        assert 0 <= kept <= k, f"greedy_verify kept {kept} of {k} proposals"
+        tokens += [*proposal[:kept], nxt]
+        out += [*proposal[:kept], nxt]
+        committed = len(tokens) - 1  # each cache holds every token but the last
+        for name, cache in caches.items():
+            (before,) = cache.lengths
+            cache.layers = ch10.rollback_kv(cache.layers, committed)
+            assert cache.lengths == {min(before, committed)}, (
+                f"{name} cache held {before} tokens; after rollback_kv(cache, {committed}) "
+                f"its layers hold {sorted(cache.lengths)}, expected {min(before, committed)}"
+            )
+    return out[:n_new]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ch10_greedy_verify_and_rollback_kv_decode_as_the_target(ch10, k):
+    target, draft = load_model(), load_model(BUNDLED_DRAFT_DIR)
+    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44, 45]):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        want = generate(target, [prompt], params)[0]
+        got = speculative_greedy(ch10, target, draft, prompt, 40, k)
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        assert got == want, (
+            f"k={k}, prompt {prompt}: token {first} differs from plain greedy decoding "
+            f"({got[first]} vs {want[first]})"
+        )
 
 
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, str]:
