@@ -8,12 +8,14 @@ onnxruntime-genai is installed.
 
 (a) speed: `--steps` decode steps after a `--context`-token prompt, batch 1, the same
     work in every timed call (each variant restarts from the same prefilled cache), all
-    variants A/B interleaved; ratios to the plain loop (> 1: faster). IOBinding twice:
+    variants A/B interleaved; ratios to the plain loop (> 1: faster), minillm's own
+    PyTorch decode (`KVCache`) among them. IOBinding twice:
     with the exporter's grouped-query attention (K/V repeated per query head, a copy of
     the cache per step) and with `grouped_attention` (no copy). `--model`:
     'bundled-1k' (the bundled model's shapes with a 1024-token context, random weights:
-    the bundled model itself stops at 256 positions), or a shape name of
-    `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB).
+    the bundled model itself stops at 256 positions), a shape name of
+    `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB), or a
+    model `load_model` takes ('smollm2': the real SmolLM2-135M-Instruct, offline).
 (b) correctness and quality on the bundled model (trained weights): greedy tokens of the
     plain loop, IOBinding, minillm (and ORT GenAI fp32 / int4), held-out perplexity.
 One SUMMARY line.
@@ -37,21 +39,28 @@ from minillm.export.onnx import export_decoder_step
 from minillm.export.onnx_runtime import OrtDecoder, ort_logits_fn, ort_session
 from minillm.export.onnx_static import OrtStaticDecoder, export_static_step
 from minillm.export.ort_genai import GenaiDecoder, build_genai_model, genai_missing
+from minillm.generation.cached import eager_decode_step, prefill
 from minillm.lab import paired_ratios, time_samples
 from minillm.model import Transformer, random_model, save_model
+from minillm.model.shapes import CONFIGS
 from minillm.model.weights import load_config
 from minillm.training import held_out_ids, perplexity
 
 PLAIN, GENAI = "ORT loop (concat)", "ORT GenAI"
+MINILLM = "minillm (PyTorch, KVCache)"
 STATIC_REPEAT = "IOBinding, K/V repeated"  # the exporter's GQA: repeats K/V per query head
 STATIC = "IOBinding, grouped"  # attention per kv head: no copy of the cache at all
 
 
 def speed_model(name: str) -> Transformer:
+    """'bundled-1k', a shape of `minillm.model.shapes` (random weights), or anything
+    `load_model` takes ('smollm2': the real weights; speed does not depend on them)."""
     if name == "bundled-1k":
         cfg = load_config(BUNDLED_DIR).to_hf() | {"max_position_embeddings": 1024}
         return random_model(cfg)
-    return random_model(name)
+    if name in CONFIGS:
+        return random_model(name)
+    return load_model(name)
 
 
 def speed_fns(
@@ -92,7 +101,19 @@ def speed_fns(
 
         return run_static
 
+    with torch.inference_mode():
+        cache, _, lengths = prefill(model, [prompt], steps)
+    tokens = torch.full((1, 1), 7)
+
+    @torch.inference_mode()
+    def run_minillm() -> Any:
+        cache.kv_len = context  # the same work every call: rewrite slots context.. again
+        for i in range(steps):
+            logits = eager_decode_step(model, cache, tokens, (lengths + i)[:, None])
+        return logits
+
     fns = {PLAIN: run_plain, STATIC_REPEAT: static_fn(False), STATIC: static_fn(True)}
+    fns[MINILLM] = run_minillm
     if genai_missing() is None:
         hf = save_model(model, workdir / "hf")
         # The builder insists on tokenizer files (it copies them next to the graph); we
@@ -185,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if GENAI in s:
         line += f", GenAI {s[GENAI]:.2f}x"
+    line += f", minillm {s[MINILLM]:.2f}x"
     exact = all(same for name, same in result["tokens_equal"].items() if "int4" not in name)
     line += f" the plain loop; fp32 runtimes' greedy tokens equal minillm's: {exact}"
     if f"{GENAI} int4" in result["ppl"]:
