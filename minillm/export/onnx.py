@@ -1,18 +1,23 @@
 """Export minillm to ONNX and run it with ONNX Runtime: chapter 03.
 
-Public API (stable; chapter 04 builds on it):
+Chapter 03's API (stable; chapter 04 builds on it), by module:
 
+    onnx (here)
     export_forward(model, path, ...)         -> Path   input_ids -> logits
     export_decoder_step(model, path, ...)    -> Path   one step with explicit past K/V
+    export_module(module, args, path, ...)   torch.onnx.export of any module, pitfalls named
+    ConcatCache, ForwardGraph, DecoderStepGraph   the exported modules (model.py unchanged)
+    UnsupportedOpError                       an op the exporter cannot write, named
+    onnx_checks
     check_onnx(path, dynamic=...)            -> onnx.ModelProto   checker + dynamic axes
+    op_counts(path_or_proto)                 -> Counter of op types
+    FrozenAxisError                          an axis the trace froze, named
+    onnx_runtime
     ort_session(path, level="all", threads=1, optimized_path=None, disabled_optimizers=())
     ort_logits_fn(session)                   -> (ids [B, T] -> logits [B, T, V]) for evaluate
     OrtDecoder(session).generate(prompts, params)   greedy / sampled generation on ORT
-    op_counts(path_or_proto)                 -> Counter of op types
     quantize_int8(src, dst)                  -> Path   ORT dynamic int8 (weights int8)
-    UnsupportedOpError, FrozenAxisError      the two export pitfalls, named
-    export_module(module, args, path, ...)   torch.onnx.export of any module, pitfalls named
-    ConcatCache, ForwardGraph, DecoderStepGraph   the exported modules (model.py unchanged)
+    quiet
     quiet()                                  context: silence exporter prints and warnings
 
 Two graphs:
