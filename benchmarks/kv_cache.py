@@ -172,7 +172,8 @@ def cached_step_sweep(
     spell of a shared machine spreads over all of them. One cache, prefilled once to the
     longest length; the step at length n attends to the first n slots (re-writing slot
     n-1 with the same K/V the prefill wrote). Returns per length the median and the
-    quartiles of the samples: a trend smaller than the quartiles' spread is noise."""
+    quartiles of the samples, and the samples themselves (to resample: a trend the
+    resampled estimates do not agree on is noise)."""
     longest = max(lengths)
     ids = random_ids(model, longest)
     weight = model.lm_head.weight
@@ -199,6 +200,7 @@ def cached_step_sweep(
         "q1_s": [quartiles[n][0] for n in lengths],
         "q3_s": [quartiles[n][2] for n in lengths],
         "repeats": repeats,
+        "samples_s": {n: samples[n] for n in lengths},
     }
 
 

@@ -14,3 +14,4 @@ def test_cached_step_sweep_reports_quartiles_for_every_length():
     assert sweep["lengths"] == [8, 32, 64] and sweep["repeats"] == 4
     for q1, med, q3 in zip(sweep["q1_s"], sweep["median_s"], sweep["q3_s"], strict=True):
         assert 0 < q1 <= med <= q3
+    assert all(len(sweep["samples_s"][n]) == 4 for n in (8, 32, 64))
