@@ -162,6 +162,46 @@ def step_costs(
     return out
 
 
+def cached_step_sweep(
+    model: Transformer, lengths: Sequence[int], repeats: int = 15, warmup: int = 2
+) -> dict[str, Any]:
+    """Seconds of one cached decode step at each context length, the lengths interleaved
+    (each round times every length once, from a different one each round) so that a slow
+    spell of a shared machine spreads over all of them. One cache, prefilled once to the
+    longest length; the step at length n attends to the first n slots (re-writing slot
+    n-1 with the same K/V the prefill wrote). Returns per length the median and the
+    quartiles of the samples, and the samples themselves (to resample: a trend the
+    resampled estimates do not agree on is noise)."""
+    longest = max(lengths)
+    ids = random_ids(model, longest)
+    weight = model.lm_head.weight
+    cache = KVCache(model.config, 1, longest, weight.dtype, weight.device)
+    with torch.inference_mode():
+        cache.kv_len = longest - 1
+        model(ids[:, : longest - 1], cache=cache)
+
+    def step(n: int) -> Callable[[], Any]:
+        pos = torch.tensor([[n - 1]], device=weight.device)
+
+        @torch.inference_mode()
+        def call() -> torch.Tensor:
+            cache.kv_len = n
+            return model(ids[:, n - 1 : n], pos, cache=cache)[:, -1]
+
+        return call
+
+    samples = time_samples({n: step(n) for n in lengths}, repeats=repeats, warmup=warmup)
+    quartiles = {n: statistics.quantiles(s, n=4) for n, s in samples.items()}
+    return {
+        "lengths": list(lengths),
+        "median_s": [statistics.median(samples[n]) for n in lengths],
+        "q1_s": [quartiles[n][0] for n in lengths],
+        "q3_s": [quartiles[n][2] for n in lengths],
+        "repeats": repeats,
+        "samples_s": {n: samples[n] for n in lengths},
+    }
+
+
 def fit_poly(xs: Sequence[float], ys: Sequence[float], degree: int = 2) -> list[float]:
     """Least-squares coefficients c0 + c1 x + c2 x^2 ... (float64)."""
     x = torch.tensor(xs, dtype=torch.float64)

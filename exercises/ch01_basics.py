@@ -8,6 +8,7 @@ head sharing, the causal mask) and the top-p sampler:
     rope_frequencies  one rotation speed per channel pair
     apply_rotary      rotary position embedding (RoPE) on q or k
     repeat_kv         grouped-query attention: share each kv head
+    gqa_attention     a layer's attention: RoPE, shared kv heads, causal softmax
     causal_mask       who may attend to whom, also when queries are a suffix
     top_p_filter      nucleus sampling's cut of the vocabulary
 
@@ -143,6 +144,37 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     `minillm/model/transformer.py` uses it.)
     """
     raise NotImplementedError("ch01: implement repeat_kv")
+
+
+def gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """A decoder layer's attention: RoPE on q and k, grouped-query heads, causal softmax.
+
+    What `minillm.model.transformer.Attention.forward` does between the projections
+    and `o_proj`, written out instead of calling SDPA:
+
+        q, k  <- rotate pairs (i, i + d/2):  x * cos + rotate_half(x) * sin,
+                 rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])
+        k, v  <- each kv head repeated for its n_rep = H // KV query heads (0,0,1,1)
+        out   =  softmax(q k^T / sqrt(d), with -inf where key j > query i) v
+
+    Args:
+        q: queries [B, H, T, d], before RoPE.
+        k: keys [B, KV, T, d], before RoPE; KV divides H.
+        v: values [B, KV, T, d].
+        cos, sin: the rotation tables [B, T, d] of the T positions (what
+            `rope_cos_sin` returns: each angle written twice, for i and i + d/2).
+
+    Returns:
+        [B, H, T, d] in q's dtype: token i's output mixes the values of tokens 0..i.
+
+    Pitfalls: cos/sin lack the heads axis (insert it); query head h reads kv head
+    h // n_rep, not h % KV; scale by sqrt(head_dim), not sqrt(hidden size); do the
+    arithmetic in fp32 (in fp16, q . k of large activations passes 65504 and the
+    softmax returns nan).
+    """
+    raise NotImplementedError("ch01: implement gqa_attention")
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:

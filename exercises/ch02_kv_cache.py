@@ -5,6 +5,8 @@ at the token's position in a buffer [layers, batch, kv_heads, max_len, head_dim]
 and read by every later step. Here you size such a cache, bound it, and split it:
 
     kv_cache_bytes      how much memory a cache needs, from an HF config.json
+    cache_update        write a step's K and V into the buffer, each row at its positions
+    decode_step         one cached generation step: one token per row, its position
     SlidingWindowCache  a ring buffer of the last `window` tokens (Mistral-style
                         sliding-window attention): memory O(window), not O(length)
     fork_cache          copy and reorder a cache's rows, for n samples of one
@@ -76,6 +78,71 @@ def kv_cache_bytes(config: dict[str, Any], tokens: int, batch: int, dtype: torch
     Gemma): use it when present. Don't forget the factor 2 (K *and* V).
     """
     raise NotImplementedError("ch02: implement kv_cache_bytes")
+
+
+def cache_update(
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Write this step's keys and values into one layer's preallocated cache, in place.
+
+    The buffers hold every token's K and V at the slot of its position: row b's token at
+    position p lives in slot p of row b. A prefill writes T tokens per row at once; a
+    decode step writes one (T = 1), each row at its own position, because the rows of a
+    batch have different lengths:
+
+        cache_k[b, :, positions[b, t]] = k[b, :, t]      for every b, t   (same for v)
+
+    Args:
+        cache_k, cache_v: one layer's buffers [B, kv_heads, max_len, head_dim] (a view of
+            `KVCache.k[layer]`: write into them, do not rebind them).
+        k, v: this step's keys and values [B, kv_heads, T, head_dim].
+        positions: the tokens' positions [B, T] (long), e.g. [[5], [2]] for a decode step
+            of two rows of lengths 5 and 2.
+
+    Returns:
+        None: the buffers change in place; every other slot keeps what it held.
+
+    Pitfalls: `cache_k[:, :, pos] = k` writes every row at the same slots; indexing dims
+    0 and 2 with index tensors of shape [B, T] selects a [B, T, kv_heads, head_dim] block
+    (the indexed dims come first), so transpose k to match; the cache may store another
+    dtype than k (cast); a loop over b and t is right but slow.
+    """
+    raise NotImplementedError("ch02: implement cache_update")
+
+
+def decode_step(
+    model: Any, cache: Any, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One cached generation step: the next-token logits of every row, one token each.
+
+    After the prefill the cache holds every prompt token's K and V. A decode step runs the
+    model on the last sampled token of each row only, at that token's position, and the
+    model's attention reads everything else from the cache (each layer writes the new
+    token's K/V at its position first):
+
+        cache.kv_len = longest row so far (this token included)
+        logits = model(tokens as [B, 1], positions as [B, 1], cache=cache)   # [B, 1, vocab]
+
+    Args:
+        model: a `minillm.model.Transformer` (any model with that call signature).
+        cache: a `minillm.cache.KVCache` filled up to each row's position (its `kv_len`
+            is how many slots attention reads: slots past a row's position are masked).
+        tokens: the token of each row to feed [B] (long).
+        positions: each token's position [B] (long): row b's length before this token.
+
+    Returns:
+        logits [B, vocab] of the token after each row's `tokens[b]`.
+
+    Pitfalls: feed one token per row, not the sequence (that is `generate_naive`);
+    positions are per row, and the rows' lengths differ; `kv_len` must cover the longest
+    row's new slot (max(positions) + 1), and need not be `max_len` (fewer slots read);
+    run under `torch.inference_mode()` (no autograd graph for generation).
+    """
+    raise NotImplementedError("ch02: implement decode_step")
 
 
 class SlidingWindowCache:

@@ -50,6 +50,26 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, n_kv, n_rep, t, d).reshape(b, n_kv * n_rep, t, d)
 
 
+def gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of q [B, H, T, d] over k, v [B, KV, T, d], RoPE applied, GQA."""
+    n_rep = q.shape[1] // k.shape[1]  # query heads per kv head
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # rotate pairs (i, i + d/2), in fp32
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return x.float() * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+    qf, kf = rope(q), rope(k)
+    b, n_kv, t, d = kf.shape
+    kf = kf[:, :, None].expand(b, n_kv, n_rep, t, d).reshape(b, n_kv * n_rep, t, d)  # 0,0,1,1
+    vf = v.float()[:, :, None].expand(b, n_kv, n_rep, t, d).reshape(b, n_kv * n_rep, t, d)
+    scores = qf @ kf.transpose(-2, -1) / d**0.5  # [B, H, T, T], fp32: no fp16 overflow
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)  # key after query
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (weights @ vf).to(q.dtype)
+
+
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
     """bool [q_len, kv_len], True where key j <= query i's absolute position."""
     if not 1 <= q_len <= kv_len:

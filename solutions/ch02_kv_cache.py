@@ -23,6 +23,32 @@ def kv_cache_bytes(config: dict[str, Any], tokens: int, batch: int, dtype: torch
     return per_token * tokens * batch
 
 
+def cache_update(
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Write k, v [B, KV, T, d] into one layer's buffers [B, KV, max_len, d], in place, token
+    t of row b at slot positions[b, t]."""
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1], broadcast to [B, T]
+    # Indexing dims 0 and 2 with [B, T] index tensors selects [B, T, KV, d]: the indexed
+    # dims come first, so k's heads and tokens trade places to match.
+    cache_k[rows, :, positions] = k.transpose(1, 2).to(cache_k.dtype)
+    cache_v[rows, :, positions] = v.transpose(1, 2).to(cache_v.dtype)
+
+
+def decode_step(
+    model: Any, cache: Any, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Logits [B, vocab] of one new token per row (tokens, positions [B]) with a KV cache."""
+    cache.kv_len = int(positions.max()) + 1  # the longest row's slots, this token's included
+    with torch.inference_mode():
+        logits = model(tokens[:, None], positions[:, None], cache=cache)  # [B, 1, vocab]
+    return logits[:, -1]
+
+
 class SlidingWindowCache:
     """Per-layer ring buffers of the last `window` tokens' K and V, for `batch` sequences."""
 

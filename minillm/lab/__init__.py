@@ -8,6 +8,7 @@ from minillm.lab.memory import (
     peak_tensor_bytes,
     rss_bytes,
     saved_tensor_bytes,
+    tensor_traffic,
     trace_tensor_memory,
 )
 from minillm.lab.profile import (
@@ -36,6 +37,7 @@ __all__ = [
     "profile_split",
     "rss_bytes",
     "saved_tensor_bytes",
+    "tensor_traffic",
     "time_interleaved",
     "time_ratios",
     "time_samples",

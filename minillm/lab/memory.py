@@ -146,3 +146,28 @@ def trace_tensor_memory(fn: Callable[[], Any], device: str | torch.device = "cpu
 def peak_tensor_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:
     """Most tensor bytes alive at once while `fn` runs, beyond what existed before."""
     return trace_tensor_memory(fn, device).peak_bytes
+
+
+class _Traffic(TorchDispatchMode):
+    """Adds up the bytes of every tensor each non-view aten op takes and returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:  # a view moves no data
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if _is_dense(t)]
+            self.bytes += sum(t.nbytes for t in tensors)
+        return out
+
+
+def tensor_traffic(fn: Callable[[], Any]) -> int:
+    """Bytes the ops of `fn` read and write, counted op by op: each op's input and output
+    tensors once (a lower bound on memory traffic, ignoring caches). An unfused chain of
+    elementwise ops moves its whole tensor once per op; one fused kernel, once."""
+    mode = _Traffic()
+    with mode:
+        fn()
+    return mode.bytes

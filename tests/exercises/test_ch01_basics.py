@@ -259,6 +259,107 @@ def test_ch01_repeat_kv_attention_matches_sdpa_gqa(ch01):
     torch.testing.assert_close(out, ref)
 
 
+# --- gqa_attention --------------------------------------------------------------------------
+
+
+def attention_inputs(b: int, heads: int, kv_heads: int, t: int, d: int, seed: int, theta=1e4):
+    """Random q, k, v and the cos/sin tables of positions 0..t-1 (minillm's rope_cos_sin)."""
+    q, k, v = (
+        randn(b, heads, t, d, seed=seed),
+        randn(b, kv_heads, t, d, seed=seed + 1),
+        randn(b, kv_heads, t, d, seed=seed + 2),
+    )
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(t).expand(b, t))
+    return q, k, v, cos, sin
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(4, 2, 32), (9, 3, 64), (4, 4, 16), (4, 1, 8)],
+    ids=["bundled", "smollm2", "mha", "mqa"],
+)  # fmt: skip
+def test_ch01_gqa_attention_matches_the_models_attention(ch01, heads, kv_heads, head_dim):
+    """minillm's Attention layer with its own weights: project, your attention, o_proj."""
+    torch.manual_seed(40)
+    cfg = ModelConfig(
+        vocab_size=50, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+    )  # fmt: skip
+    model = Transformer(cfg).eval()
+    attn = model.model.layers[0].self_attn
+    b, t = 2, 11
+    x = randn(b, t, cfg.hidden_size, seed=41)
+    positions = torch.arange(t).expand(b, t)
+    cos, sin = rope_cos_sin(model.inv_freq, positions)
+    with torch.no_grad():
+        ref = attn(x, positions, cos, sin, None, None)
+        q, k, v = attn.project(x)
+        q = q.view(b, t, heads, head_dim).transpose(1, 2)
+        k = k.view(b, t, kv_heads, head_dim).transpose(1, 2)
+        v = v.view(b, t, kv_heads, head_dim).transpose(1, 2)
+        out = ch01.gqa_attention(q, k, v, cos, sin)
+        assert out.shape == (b, heads, t, head_dim), f"shape {tuple(out.shape)}: [B, H, T, d]"
+        got = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_ch01_gqa_attention_matches_sdpa_and_transformers_rope(ch01):
+    q, k, v, cos, sin = attention_inputs(2, 6, 2, 9, 16, seed=42)
+    out = ch01.gqa_attention(q, k, v, cos, sin)
+    q_rot, k_rot = hf_apply_rotary(q, k, cos, sin)  # transformers' RoPE, same tables
+    ref = F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    unrotated = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert not torch.allclose(out, unrotated, atol=1e-3), "apply RoPE to q and k"
+
+
+def test_ch01_gqa_attention_is_causal(ch01):
+    """Changing the last token changes no earlier output; token 0 sees only itself."""
+    q, k, v, cos, sin = attention_inputs(1, 4, 2, 8, 16, seed=43)
+    out = ch01.gqa_attention(q, k, v, cos, sin)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 5.0
+    v2[:, :, -1] -= 5.0
+    changed = ch01.gqa_attention(q, k2, v2, cos, sin)
+    torch.testing.assert_close(
+        changed[:, :, :-1], out[:, :, :-1], msg="earlier tokens must not see later ones: mask j > i"
+    )
+    first = v[:, [0, 0, 1, 1], 0]  # query head h reads kv head h // 2
+    torch.testing.assert_close(out[:, :, 0], first, msg="token 0 attends only to itself")
+
+
+def test_ch01_gqa_attention_query_heads_share_kv_heads_in_groups(ch01):
+    """v of kv head j filled with j: query head h must output h // n_rep (weights sum to 1)."""
+    q, k, _, cos, sin = attention_inputs(1, 6, 3, 5, 8, seed=44)
+    v = torch.arange(3.0).view(1, 3, 1, 1).expand(1, 3, 5, 8).contiguous()
+    out = ch01.gqa_attention(q, k, v, cos, sin)
+    heads = out[0, :, -1, 0].round().tolist()
+    assert heads == [0, 0, 1, 1, 2, 2], (
+        f"query heads read kv heads {heads}: expected 0,0,1,1,2,2 (h // n_rep, not h % kv_heads)"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_ch01_gqa_attention_half_precision_computes_in_fp32(ch01, dtype):
+    """Large activations: q . k = 40 * 40 * 64 > 65504 overflows fp16 unless upcast."""
+    q, k, v, cos, sin = attention_inputs(1, 2, 1, 6, 64, seed=45)
+    q, k = q.sign() * 40, k.sign() * 40
+    k[:, :, 3] = q[:, 0, 3]  # one key aligned with a query: a score of 102,400 before scaling
+    ref = ch01_reference_attention(q, k, v, cos, sin)
+    out = ch01.gqa_attention(q.to(dtype), k.to(dtype), v.to(dtype), cos, sin)
+    assert out.dtype == dtype, f"return q's dtype ({dtype}), got {out.dtype}"
+    finite = bool(torch.isfinite(out).all())
+    assert finite, "nan/inf in the output: compute the scores and the softmax in fp32"
+    torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02)
+
+
+def ch01_reference_attention(q, k, v, cos, sin):
+    """fp32 reference: minillm's apply_rope, then SDPA with grouped-query heads."""
+    q, k, v = q.float(), k.float(), v.float()
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=True)
+
+
 # --- causal_mask ----------------------------------------------------------------------------
 
 

@@ -350,3 +350,139 @@ def test_ch02_fork_cache_rejects_bad_rows(ch02, model):
     for bad in ([2], [0, -1], []):
         with pytest.raises(ValueError):
             ch02.fork_cache(cache, bad)
+
+
+# --- cache_update ---------------------------------------------------------------------------
+
+
+def loop_update(cache_k, cache_v, k, v, positions) -> None:
+    """The definition, one token at a time."""
+    for b in range(k.shape[0]):
+        for t in range(k.shape[2]):
+            cache_k[b, :, positions[b, t]] = k[b, :, t].to(cache_k.dtype)
+            cache_v[b, :, positions[b, t]] = v[b, :, t].to(cache_v.dtype)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [[[0, 1, 2, 3], [0, 1, 2, 3]], [[5], [2]], [[7, 8], [3, 4]], [[9], [0]]],
+    ids=["prefill", "decode", "chunk", "first-and-last-slot"],
+)
+def test_ch02_cache_update_writes_each_row_at_its_positions(ch02, positions):
+    positions = torch.tensor(positions)
+    b, t = positions.shape
+    k = torch.randn(b, 2, t, 8, generator=torch.Generator().manual_seed(20))
+    v = torch.randn(b, 2, t, 8, generator=torch.Generator().manual_seed(21))
+    cache_k, cache_v = torch.full((b, 2, 10, 8), float("nan")), torch.full((b, 2, 10, 8), -7.0)
+    ref_k, ref_v = cache_k.clone(), cache_v.clone()
+    k_ptr = cache_k.data_ptr()
+    ch02.cache_update(cache_k, cache_v, k, v, positions)
+    loop_update(ref_k, ref_v, k, v, positions)
+    assert cache_k.data_ptr() == k_ptr, "write into the buffers (in place), do not rebind them"
+    torch.testing.assert_close(
+        cache_k, ref_k, equal_nan=True, msg="K: slot positions[b, t] of row b"
+    )
+    torch.testing.assert_close(cache_v, ref_v, msg="V: slot positions[b, t] of row b")
+
+
+def test_ch02_cache_update_writes_through_a_layer_view_in_the_caches_dtype(ch02):
+    """`KVCache.k[layer]` is a view: writing into it must change the cache; bf16 storage."""
+    cache_k = torch.zeros(3, 1, 2, 6, 4, dtype=torch.bfloat16)  # [layers, B, KV, max_len, d]
+    cache_v = torch.zeros(3, 1, 2, 6, 4, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    ch02.cache_update(cache_k[1], cache_v[1], k, v, torch.tensor([[2, 3]]))
+    assert cache_k.dtype == torch.bfloat16
+    torch.testing.assert_close(cache_k[1, :, :, 2:4], k.to(torch.bfloat16))
+    torch.testing.assert_close(cache_v[1, :, :, 2:4], v.to(torch.bfloat16))
+    assert not cache_k[0].any() and not cache_k[2].any(), "other layers untouched"
+    assert not cache_k[1, :, :, [0, 1, 4, 5]].any(), "other slots untouched"
+
+
+class UpdateCache(KVCache):
+    """minillm's KVCache with the learner's cache_update in its update."""
+
+    def __init__(self, fn, *args) -> None:
+        super().__init__(*args)
+        self.fn = fn
+
+    def update(self, layer, k, v, positions):
+        self.fn(self.k[layer], self.v[layer], k, v, positions)
+        return self.k[layer, :, :, : self.kv_len], self.v[layer, :, :, : self.kv_len]
+
+
+def test_ch02_cache_update_drives_the_model(ch02, model):
+    """Prefill two prompts of different lengths, then decode: logits = the uncached model's."""
+    prompts = [random_ids(1, 6, seed=22)[0].tolist(), random_ids(1, 3, seed=23)[0].tolist()]
+    steps = random_ids(2, 4, seed=24)
+    cache = UpdateCache(ch02.cache_update, model.config, 2, 12)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    got = []
+    with torch.no_grad():
+        cache.kv_len = 6
+        prefill = model(ids, cache=cache)
+        lengths = torch.tensor([6, 3])
+        for i in range(steps.shape[1]):
+            cache.kv_len = int(lengths.max()) + i + 1
+            got.append(model(steps[:, i : i + 1], (lengths + i)[:, None], cache=cache)[:, -1])
+    got = torch.stack(got, dim=1)  # [2, 4, vocab]
+    for b, p in enumerate(prompts):
+        want = uncached_last_logits(model, p + steps[b].tolist(), 4 + len(p))
+        assert_logits_close(prefill[b : b + 1, : len(p)], want[None, : len(p)], f"prefill row {b}")
+        assert_logits_close(got[b : b + 1], want[None, len(p) :], f"decode row {b}")
+
+
+# --- decode_step ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def prefill_rows(model: Transformer, prompts: list[list[int]], max_len: int):
+    """minillm's prefill: prompts right-padded in one batch; (cache, last logits, lengths)."""
+    cache = KVCache(model.config, len(prompts), max_len)
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    cache.kv_len = longest
+    lengths = torch.tensor([len(p) for p in prompts])
+    logits = model(ids, cache=cache)[torch.arange(len(prompts)), lengths - 1]
+    return cache, logits, lengths
+
+
+def test_ch02_decode_step_greedy_matches_the_uncached_model(ch02, model):
+    """Three prompts of different lengths, 8 greedy steps: every step's logits and tokens
+    equal a full forward over each row's whole sequence."""
+    prompts = [random_ids(1, n, seed=30 + n)[0].tolist() for n in (5, 9, 2)]
+    cache, logits, lengths = prefill_rows(model, prompts, 9 + 8)
+    seqs = [list(p) for p in prompts]
+    for step in range(8):
+        tokens = logits.argmax(-1)
+        for b in range(3):
+            seqs[b].append(int(tokens[b]))
+        positions = lengths + step
+        before = positions.clone()
+        logits = ch02.decode_step(model, cache, tokens, positions)
+        assert logits.shape == (3, model.config.vocab_size), (
+            f"logits {tuple(logits.shape)}: one row of vocab logits per sequence, [B, vocab]"
+        )
+        assert torch.equal(positions, before), "do not change the positions you are given"
+        for b in range(3):
+            want = uncached_last_logits(model, seqs[b], 1)
+            assert_logits_close(logits[b : b + 1, None], want[None], f"step {step}, row {b}")
+
+
+def test_ch02_decode_step_reads_only_the_filled_slots(ch02, model):
+    """kv_len: the longest row's slots so far, this token's included, not max_len."""
+    cache, logits, lengths = prefill_rows(model, [[1, 2, 3, 4], [5, 6]], 32)
+    ch02.decode_step(model, cache, logits.argmax(-1), lengths)
+    assert cache.kv_len == 5, (
+        f"cache.kv_len = {cache.kv_len} after a step at positions {lengths.tolist()}: "
+        "set it to max(positions) + 1 (attention reads that many slots)"
+    )
+
+
+def test_ch02_decode_step_records_no_autograd_graph(ch02, model):
+    cache, logits, lengths = prefill_rows(model, [[1, 2, 3]], 8)
+    out = ch02.decode_step(model, cache, logits.argmax(-1), lengths)
+    assert not out.requires_grad, "run the step under torch.inference_mode()"
