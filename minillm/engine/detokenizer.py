@@ -41,19 +41,21 @@ class Detokenizer:
         self.tail = max((len(s) for s in params.stop), default=1) - 1  # holdback window
 
     def update(
-        self, output_ids: list[int], final: bool = False, check_stops: bool = True
+        self, token_ids: list[int], start: int, final: bool = False, check_stops: bool = True
     ) -> str | None:
-        """Add the text of the ids appended since the last call (`final`: also an incomplete
-        last character, as a full decode would show it); return the stop string that now
-        ends the text, if any (only when `check_stops`: not within min_tokens): the text is
-        then cut there."""
+        """Add the text of the output ids appended since the last call (the output is
+        `token_ids[start:]`, passed whole so nothing copies it: only the few ids since
+        `prefix_offset` are sliced, and a token costs the same at any length; `final`: also an
+        incomplete last character, as a full decode would show it). Return the stop string
+        that now ends the text, if any (only when `check_stops`: not within min_tokens): the
+        text is then cut there."""
         decode = self.tokenizer.decode
         skip = self.params.skip_special_tokens
-        known = decode(output_ids[self.prefix_offset : self.read_offset], skip)
-        full = decode(output_ids[self.prefix_offset :], skip)
+        known = decode(token_ids[start + self.prefix_offset : start + self.read_offset], skip)
+        full = decode(token_ids[start + self.prefix_offset :], skip)
         if len(full) <= len(known) or (full.endswith("\ufffd") and not final):
             return None  # nothing new yet, or a character still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids) - start
         start = len(self.text)
         self.text += full[len(known) :]
         hits = []  # (where, stop): a stop can only appear where the new text is

@@ -222,7 +222,9 @@ class Engine:
         stops = stop_ids(self.model, seq.params)
         reason = finish_reason(token, seq.num_output_tokens, seq.params, stops)
         stops_count = seq.num_output_tokens > seq.params.min_tokens  # vLLM's min_tokens rule
-        stop_string = seq.detokenizer.update(seq.output_ids, reason is not None, stops_count)
+        stop_string = seq.detokenizer.update(
+            seq.token_ids, seq.num_prompt_tokens, reason is not None, stops_count
+        )
         if reason is None and stop_string is not None:
             return "stop", stop_string
         return reason
@@ -270,7 +272,7 @@ class Engine:
                 CompletionOutput(
                     number if best_of else seq.index,
                     text,
-                    seq.output_ids[sent:],
+                    seq.output_ids_from(sent),
                     seq.finish_reason,
                     seq.stop_reason,
                     seq.logprobs[sent:] if params.logprobs is not None else None,

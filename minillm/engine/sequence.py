@@ -85,6 +85,11 @@ class Sequence(PagedSequence):
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def output_ids_from(self, start: int) -> list[int]:
+        """Output ids from the `start`-th on: a copy of that tail only (a stream's delta costs
+        the same at any output length; `output_ids[start:]` would copy the whole output)."""
+        return self.token_ids[self.num_prompt_tokens + start :]
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
