@@ -61,8 +61,17 @@ WINDOW = 256
 EVAL_TEXTS = {"kjv": held_out_ids, "factbook": factbook_ids}
 
 
-def methods(g: int, alphas: list[float]) -> dict[str, tuple[str, Callable[..., nn.Module]]]:
-    """name -> (speed format, build(model, batches)). Each build gets its own copy."""
+def methods(
+    g: int,
+    alphas: list[float],
+    awq: dict[str, int] | None = None,
+    search: tuple[tuple[float, ...], int] = (ALPHAS, 2048),
+) -> dict[str, tuple[str, Callable[..., nn.Module]]]:
+    """name -> (speed format, build(model, batches)). Each build gets its own copy.
+    `awq`: options for `awq_quantize_model` (n_grid, max_tokens, clip_tokens); `search`:
+    SmoothQuant's searched alphas and tokens per candidate. The notebook passes lighter
+    searches than these defaults."""
+    awq = awq or {}
 
     def w8a8(act: str) -> Callable[..., nn.Module]:
         def build(m: nn.Module, b: list[torch.Tensor]) -> nn.Module:
@@ -73,7 +82,7 @@ def methods(g: int, alphas: list[float]) -> dict[str, tuple[str, Callable[..., n
         return build
 
     def smooth(alpha: float | tuple[float, ...], act: str) -> Callable[..., nn.Module]:
-        return lambda m, b: smoothquant_model(m, b, alpha, act)
+        return lambda m, b: smoothquant_model(m, b, alpha, act, max_tokens=search[1])
 
     s = f"int4-g{g}"
     sq = {
@@ -82,16 +91,17 @@ def methods(g: int, alphas: list[float]) -> dict[str, tuple[str, Callable[..., n
         for a in alphas
     }
     searched = {
-        f"SmoothQuant searched per-{act}": ("-", smooth(ALPHAS, act)) for act in ("tensor", "token")
+        f"SmoothQuant searched per-{act}": ("-", smooth(search[0], act))
+        for act in ("tensor", "token")
     }
     return {
         "fp32": ("fp32", lambda m, b: m),
         f"RTN int4 g{g}": (s, lambda m, b: quantize_model(m, s)),
         f"GPTQ int4 g{g}": (s, lambda m, b: gptq_quantize_model(m, b, s)),
-        f"AWQ int4 g{g}": (s, lambda m, b: awq_quantize_model(m, b, s)),
+        f"AWQ int4 g{g}": (s, lambda m, b: awq_quantize_model(m, b, s, **awq)),
         f"AWQ int4 g{g} (per-linear loss)": (
             s,
-            lambda m, b: awq_quantize_model(m, b, s, scope="linear"),
+            lambda m, b: awq_quantize_model(m, b, s, scope="linear", **awq),
         ),
         f"RTN int4 g{g} (kernel)": (s, lambda m, b: _kernel(quantize_model(m, s))),
         "RTN int8 (weights)": ("int8", lambda m, b: quantize_model(m, "int8")),

@@ -116,15 +116,19 @@ def awq_smooth(
     batches: Iterable[torch.Tensor],
     scheme: str | Scheme = "int4-g128",
     n_grid: int = 20,
-    max_tokens: int = 4096,
+    max_tokens: int = 1024,
     clip: bool = False,
     scope: str = "block",
+    clip_tokens: int = 512,
 ) -> dict[str, float]:
     """Search AWQ's scales for every scale group of every block and fold them into the
     model, in place, without quantizing: the float model computes the same function
-    (unless `clip`, which then also clamps the weights by `awq_clip`, on 512 tokens).
+    (unless `clip`, which then also clamps the weights by `awq_clip`, on `clip_tokens`).
     `scope`: 'block' scores each candidate on the output of the module the group feeds
     (the paper's way), 'linear' on the first linear's own output (cheaper, blinder).
+    Each candidate costs one forward of that module over `max_tokens` calibration tokens
+    (whole sequences; the channel statistics use every token): the knob that sets the
+    search's time on a CPU.
     Returns the chosen alpha per group ('layers.0.input_layernorm': 0.45, ...)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     if scheme.kind != "int4":
@@ -157,7 +161,7 @@ def awq_smooth(
             scaled = capture_inputs(block, calib, names)  # the inputs after folding
             for name in names:
                 lin = block.get_submodule(name)
-                lin.weight.copy_(awq_clip(_rows(scaled[name], 512), lin.weight, g, sym))
+                lin.weight.copy_(awq_clip(_rows(scaled[name], clip_tokens), lin.weight, g, sym))
         run_block(block, calib)
     return alphas
 
@@ -167,11 +171,12 @@ def awq_quantize_model(
     batches: Iterable[torch.Tensor],
     scheme: str | Scheme = "int4-g128",
     n_grid: int = 20,
-    max_tokens: int = 4096,
+    max_tokens: int = 1024,
     scope: str = "block",
+    clip_tokens: int = 512,
 ) -> Transformer:
     """AWQ: fold the searched scales and clip the weights (`awq_smooth(clip=True)`), then
     round every block linear to nearest in `scheme` (lm_head kept, as `quantize_model`
     does). In place; returns it."""
-    awq_smooth(model, batches, scheme, n_grid, max_tokens, clip=True, scope=scope)
+    awq_smooth(model, batches, scheme, n_grid, max_tokens, True, scope, clip_tokens)
     return quantize_model(model, scheme)

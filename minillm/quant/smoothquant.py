@@ -118,16 +118,18 @@ def smoothquant_model(
     alpha: float | Sequence[float] = 0.5,
     act: str = "token",
     keep: Sequence[str] = ("lm_head",),
+    max_tokens: int = 2048,
 ) -> Transformer:
     """W8A8: smooth, then int8 per-channel weights and int8 activations per 'token' or per
     'tensor' (dynamic scales). `alpha`: one value for every layer (the paper's recipe), or
-    a sequence to search per scale group (`search_smooth_model`). The linears named in
+    a sequence to search per scale group (`search_smooth_model`, each candidate scored on
+    `max_tokens` calibration tokens). The linears named in
     `keep` stay in full precision (lm_head by default; anything else kept is a mixed-
     precision model and must be reported as one). In place; returns the model."""
     if isinstance(alpha, int | float):
         smooth_model(model, batches, float(alpha))
     else:
-        search_smooth_model(model, batches, tuple(alpha), act)
+        search_smooth_model(model, batches, tuple(alpha), act, max_tokens)
     quantize_model(model, "int8", keep=keep)
     set_activation_quant(model, act)
     return model
