@@ -56,8 +56,10 @@ $(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 
 # Jupyter runs from .venv, so its default kernel is .venv's Python: nothing is registered
 # globally.
+# As root (containers, some cloud notebooks) Jupyter refuses to start without --allow-root.
 course: $(STAMP)
-	HF_HUB_OFFLINE=$(HF_HUB_OFFLINE) $(BIN)/jupyter lab notebooks/ $(if $(NO_BROWSER),--no-browser)
+	HF_HUB_OFFLINE=$(HF_HUB_OFFLINE) $(BIN)/jupyter lab notebooks/ $(if $(NO_BROWSER),--no-browser) \
+	  $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # One pytest run over tests/ and the notebooks (nbval re-executes each .ipynb, compares only
 # cells marked NBVAL_CHECK_OUTPUT), so there is one summary line.

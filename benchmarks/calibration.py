@@ -14,6 +14,10 @@
     with a KV cache (A/B interleaved, median of paired ratios, 1 thread by default).
 (c) The same fusion timing on a SmolLM2-135M-shaped model with random weights (576 wide,
     30 layers): does a realistic width change the answer? (Skipped with --quick.)
+(d) Explicit quantization, as TensorRT 10+ takes INT8: the percentile and max scales of (a)
+    written into the model's ONNX graph as Q/DQ pairs (and the max graph turned into FP8
+    e4m3), run on ONNX Runtime's CPU provider: perplexity, agreement with fp32, and
+    agreement with our own fake quantization of the same scales.
 
 The last line is one `SUMMARY calibration:` line. Speed figures are ratios measured in the
 same run; quality figures are deterministic for a given calibration set.
@@ -42,11 +46,13 @@ from minillm.quant.calibrate import (
     calibration_batches,
     collect_stats,
     compare_methods,
+    compute_scales,
     entropy_threshold,
+    fake_quantize_model,
     percentile_threshold,
 )
 from minillm.quant.fusion import fuse_model
-from minillm.training import held_out_ids
+from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,21 +86,59 @@ def calibration(
         "eval_tokens": max_windows * 128,
         "thresholds": thresholds,
         "quality": quality,
+        "explicit_qdq": explicit_qdq(model, stats, held_out_ids(tok), max_windows),
     }
+
+
+def explicit_qdq(model, stats, eval_ids: torch.Tensor, max_windows: int) -> dict[str, Any]:
+    """(d) The scales as Q/DQ ONNX graphs on ORT's CPU provider, scored like (a), and each
+    int8 graph's top-1 agreement with our fake quantization of the same scales."""
+    import tempfile
+
+    import onnx
+
+    from minillm.export.onnx_runtime import ort_logits_fn, ort_session
+    from minillm.export.qdq import export_qdq, to_fp8
+
+    kw = {"window": 128, "max_windows": max_windows}
+    rows: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        graphs = {}
+        for method in ("percentile", "max"):
+            scales = compute_scales(stats, method)
+            path = export_qdq(model, scales, Path(tmp) / f"{method}.onnx")
+            graphs[f"int8 {method}"] = (path, fake_quantize_model(model, scales))
+        fp8_path = Path(tmp) / "fp8.onnx"
+        onnx.save(to_fp8(onnx.load(graphs["int8 max"][0])), fp8_path)
+        graphs["fp8 e4m3 max"] = (fp8_path, None)
+        for name, (path, ours) in graphs.items():
+            fn = ort_logits_fn(ort_session(path, "all"))
+            rows[name] = {
+                "perplexity": perplexity(fn, eval_ids, **kw),
+                "agreement": next_token_agreement(model, fn, eval_ids, **kw),
+            }
+            if ours is not None:
+                rows[name]["agreement_with_fake_quant"] = next_token_agreement(
+                    ours, fn, eval_ids, **kw
+                )
+    return rows
 
 
 # -------------------------------------------------------------------------- (b) fusion
 
 
 def decode_step_fn(model: torch.nn.Module, context: int = 64) -> Callable[[], torch.Tensor]:
-    """One cached decode step at position context-1 (the cache prefilled before)."""
+    """One cached decode step at position context-1 (the cache prefilled before), on the
+    model's device and in its dtype."""
+    weight = next(model.parameters())
     ids = torch.randint(model.config.vocab_size, (1, context), generator=torch.Generator())
-    cache = KVCache(model.config, 1, context)
+    ids = ids.to(weight.device)
+    cache = KVCache(model.config, 1, context, dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
         cache.kv_len = context - 1
         model(ids[:, :-1], cache=cache)
     cache.kv_len = context
-    last, pos = ids[:, -1:], torch.tensor([[context - 1]])
+    last, pos = ids[:, -1:], torch.tensor([[context - 1]], device=weight.device)
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
@@ -200,6 +244,14 @@ def print_calibration(r: dict[str, Any]) -> None:
             f"{name:<22} {q['perplexity']:>10.3f} {q['perplexity'] / base - 1:>+8.1%} "
             f"{q['agreement']:>10.1%}"
         )
+    print("\n(d) explicit Q/DQ graphs on ONNX Runtime (CPU)")
+    print(f"{'graph':<22} {'perplexity':>10} {'vs fp32':>8} {'agreement':>10} {'vs ours':>8}")
+    for name, q in r["explicit_qdq"].items():
+        ours = q.get("agreement_with_fake_quant")
+        print(
+            f"{name:<22} {q['perplexity']:>10.3f} {q['perplexity'] / base - 1:>+8.1%} "
+            f"{q['agreement']:>10.1%} {'' if ours is None else f'{ours:.1%}':>8}"
+        )
 
 
 def print_fusion(r: dict[str, Any]) -> None:
@@ -260,10 +312,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     agree = ", ".join(
         f"{k.removeprefix('int8 ')} {v['agreement']:.1%}" for k, v in q.items() if k != "fp32"
     )
+    qdq = ", ".join(f"{k} {v['perplexity']:.2f}" for k, v in cal["explicit_qdq"].items())
     o = fus["ops"]
     s = fus["time_fused_over_unfused"]
     summary = (
-        f"SUMMARY calibration: perplexity {ppl}; agreement with fp32 {agree}; fusion: "
+        f"SUMMARY calibration: perplexity {ppl}; agreement with fp32 {agree}; Q/DQ graphs on "
+        f"ORT: perplexity {qdq}; fusion: "
         f"logits max diff {fus['max_abs_diff']:.1g}, same tokens {fus['same_greedy_tokens']}, "
         f"compute ops per forward {o['unfused']['compute_ops']} -> "
         f"{o['fused']['compute_ops']} (GEMMs {o['unfused']['gemms']} -> {o['fused']['gemms']}), "

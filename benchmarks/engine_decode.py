@@ -12,14 +12,10 @@ model, whose step is mostly overhead, and less on a larger one.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
-
+from benchmarks import report
 from minillm import SamplingParams, load_model, load_tokenizer
 from minillm.engine import Engine
 from minillm.lab import time_ratios
@@ -59,26 +55,21 @@ def engine_decode_modes(model, tokenizer, rows: int = 8, tokens: int = 48) -> di
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = report.parser(__doc__)
     ap.add_argument("--rows", type=int, default=8, help="requests decoding together")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--model", default=None, help="checkpoint or name (default: bundled)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    run = report.start("engine-decode", args)
     result = engine_decode_modes(
         load_model(args.model), load_tokenizer(args.model), args.rows, args.tokens
     )
-    print(
-        f"SUMMARY engine-decode: eager decode steps take {result['eager_vs_compiled']:.2f}x the "
-        f"time of compiled ones ({args.rows} rows, {args.model or 'bundled'} model); warm-up "
-        f"with compile {result['warmup_s']:.0f} s; same tokens: {result['same_tokens']}; "
-        f"{args.threads} thread(s)"
+    summary = (
+        f"eager decode steps take {result['eager_vs_compiled']:.2f}x the time of compiled ones "
+        f"({args.rows} rows, {args.model or 'bundled'} model); warm-up with compile "
+        f"{result['warmup_s']:.0f} s; same tokens: {result['same_tokens']}"
     )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return run.finish(result, summary)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,29 @@
 """Chapter 02 benchmark: what the KV cache buys, measured on this machine.
 
-    python -m benchmarks.kv_cache [--quick] [--threads N] [--json results.json]
+    python -m benchmarks.kv_cache [--model smollm2] [--quick] [--threads N] [--json out.json]
 
-Four parts, each printed as a table; the last line is one `SUMMARY kv-cache:` line.
+`--model` (default `smollm2`: SmolLM2-135M-Instruct, offline; `bundled` for the course's
+1.3M model; or any checkpoint `load_model` takes) is the model of every part. Four parts,
+each printed as a table; the last line is one `SUMMARY kv-cache:` line.
 
 (a) Cost of one generation step at context length n, without a cache (a forward over
     all n tokens, what `generate_naive` does) and with one (one token at position n-1
     against n cached K/V), A/B interleaved; then end-to-end time of generating up to N
-    total tokens both ways (same tokens asserted), measured directly up to 1024 and
-    predicted for 2048 by summing fitted per-step costs (checked against the direct
-    measurement at 1024). Model: the bundled model's shapes with 2048 positions and
-    random weights: speed depends on shapes, not on what the weights learned.
+    total tokens both ways (same tokens asserted), measured directly (at 256 and 1024
+    tokens; at 1024 on SmolLM2 the naive loop alone takes most of an hour on one thread)
+    and predicted for 2048 by summing fitted per-step costs. The bundled model has only
+    256 positions: for it, part (a) uses its shapes with 2048 positions and random weights
+    (speed depends on shapes, not on what the weights learned).
 (b) KV bytes = 2 x layers x kv_heads x head_dim x bytes x tokens, checked against a real
     `KVCache` allocation, and what grouped-query attention saves for SmolLM2-135M and
     Llama-3-8B shapes (pure arithmetic).
-(c) minillm `generate` vs transformers `generate(use_cache=True)` and `use_cache=False`
-    on the bundled model: same greedy tokens asserted, time ratios interleaved.
-(d) Roofline: batch-1 cached decode of a SmolLM2-135M-shaped random model, bytes read
-    per token x tokens/s vs the copy bandwidth measured in the same run; where the rest
-    of the time goes (`profile_split`).
+(c) minillm `generate` (as loaded, and with the decode weight layout of
+    `minillm.model.layout`) vs transformers `generate(use_cache=True)` and `use_cache=False`
+    on the model: same greedy tokens asserted, time ratios interleaved.
+(d) Roofline: batch-1 cached decode of the model, bytes read per token x tokens/s vs the
+    read bandwidth measured in the same run (`measure_roofline`: a sum over 512 MiB), as
+    loaded and with the decode layout; where the rest of the time goes (`profile_split`),
+    and the bandwidth of the matrix-vector products alone.
 
 Every speed figure is a ratio of calls timed in alternation in the same run, or a
 fraction of a ceiling measured in the same run: absolute times on a shared machine
@@ -29,6 +34,7 @@ smaller sizes.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import statistics
@@ -45,16 +51,21 @@ from minillm.lab import format_bytes, measure_roofline, paired_ratios, profile_s
 from minillm.model import (
     BUNDLED_DIR,
     ModelConfig,
+    Tokenizer,
     Transformer,
     load_config,
     random_model,
 )
+from minillm.model.layout import decode_layout
 from minillm.model.shapes import SMOLLM2_135M
+from minillm.model.weights import resolve_device, resolve_dtype, resolve_model_dir
+from minillm.training import first_divergence
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
-PROMPT = "And the LORD said unto Moses, Speak unto"
+PROMPT = "And the LORD said unto Moses, Speak unto"  # the bundled model's (a KJV model)
+CHAT = "Tell me about the history of Paris."  # a chat model's: a user message in its template
 
 # Attention shapes only (layers, query heads, kv heads, head_dim): enough for KV bytes.
 KV_SHAPES = {
@@ -67,6 +78,19 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def model_name(name: str | None) -> str | None:
+    """The `load_model` argument for a --model value: "bundled" (or None) is the bundled model."""
+    return None if name in (None, "bundled") else name
+
+
+def prompt_ids(tok: Tokenizer) -> list[int]:
+    """The benchmark prompt: a user message in the model's chat template, or for a model
+    without one (the bundled KJV model) the plain `PROMPT`."""
+    if tok.chat_template is None:
+        return tok.encode(PROMPT)
+    return tok.apply_chat_template([{"role": "user", "content": CHAT}])
+
+
 def long_context_model(max_len: int = 2048, seed: int = SEED) -> Transformer:
     """The bundled model's shapes (d128, 4 layers, 4 heads / 2 kv heads, vocab 4096) with
     `max_len` positions and random weights (the trained model only has 256 positions)."""
@@ -75,8 +99,10 @@ def long_context_model(max_len: int = 2048, seed: int = SEED) -> Transformer:
 
 
 def random_ids(model: Transformer, n: int, seed: int = SEED) -> torch.Tensor:
+    """[1, n] random token ids on the model's device (drawn on the CPU: the same ids anywhere)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (1, n), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g)
+    return ids.to(model.lm_head.weight.device)
 
 
 # ------------------------------------------------------------- (a) cost per step, total
@@ -87,13 +113,14 @@ def step_fns(model: Transformer, n: int) -> dict[str, Callable[[], Any]]:
     tokens (generate_naive's step). `cached`: the n-th token alone, at position n-1,
     attending to n cached K/V (the first n-1 filled by a prefill beforehand)."""
     ids = random_ids(model, n)
-    cache = KVCache(model.config, 1, n)
+    weight = model.lm_head.weight
+    cache = KVCache(model.config, 1, n, weight.dtype, weight.device)
     with torch.inference_mode():
         cache.kv_len = n - 1
         if n > 1:
             model(ids[:, : n - 1], cache=cache)
     cache.kv_len = n
-    last, pos = ids[:, n - 1 :], torch.tensor([[n - 1]])
+    last, pos = ids[:, n - 1 :], torch.tensor([[n - 1]], device=weight.device)
 
     @torch.inference_mode()
     def naive() -> torch.Tensor:
@@ -124,7 +151,10 @@ def step_costs(
     for n in items:
         fns = step_fns(model, n)
         with torch.inference_mode():
-            same = torch.allclose(fns["naive"](), fns["cached"](), atol=1e-4, rtol=0)
+            a, b = fns["naive"]().float(), fns["cached"]().float()
+        # fp32: within 1e-4 (summation order); bf16 (a GPU's default): within its rounding
+        atol = 1e-4 if model.lm_head.weight.dtype == torch.float32 else 0.25
+        same = torch.allclose(a, b, atol=atol, rtol=0)
         assert same, f"cached step logits differ from the full forward at n={n}"
         samples = time_samples(fns, repeats=repeats, warmup=warmup)
         # The fastest repeat: the cost with the least noise from other processes added.
@@ -173,7 +203,8 @@ def end_to_end(
     model: Transformer, total: int, prompt_len: int = 16, repeats: int = 1, warmup: int = 0
 ) -> dict[str, Any]:
     """Generate from a `prompt_len`-token prompt up to `total` tokens with `generate_naive`
-    and with `generate` (cached), interleaved; asserts both give the same tokens."""
+    and with `generate` (cached), interleaved; asserts both give the same tokens. Each call
+    is one pair of calls: at 1024 tokens on SmolLM2 the naive one takes most of an hour."""
     prompt = random_ids(model, prompt_len)[0].tolist()
     params = greedy(total - prompt_len)
     tokens: dict[str, list[int]] = {}
@@ -185,14 +216,17 @@ def end_to_end(
         tokens["cached"] = generate(model, [prompt], params)[0]
 
     samples = time_samples({"naive": naive, "cached": cached}, repeats=repeats, warmup=warmup)
+    # Equal in every run so far; recorded, not asserted: over a thousand fp32 greedy steps a
+    # near-tie could flip (the two paths sum in different orders), and the hour of timing
+    # stays valid (ignore_eos: both generate the same number of tokens either way).
     same = tokens["naive"] == tokens["cached"]
-    assert same, f"cached and naive generation disagree at {total} tokens"
     return {
         "total": total,
         "naive_s": statistics.median(samples["naive"]),
         "cached_s": statistics.median(samples["cached"]),
         "speedup": paired_ratios(samples, "cached")["naive"],
         "same_tokens": same,
+        "first_difference": first_divergence(tokens["naive"], tokens["cached"]),
     }
 
 
@@ -249,28 +283,44 @@ def kv_allocation_check(
 
 
 def compare_hf(
-    new_tokens: int = 200, repeats: int = 5, warmup: int = 1, uncached: bool = True
+    name: str | None = None,
+    new_tokens: int = 200,
+    repeats: int = 5,
+    warmup: int = 1,
+    uncached: bool = True,
+    layout: bool | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Bundled model, greedy, `new_tokens` tokens, EOS disabled on both sides: time of
-    transformers' generate (use_cache=True, and False) relative to minillm's generate."""
+    """`new_tokens` greedy tokens (EOS disabled on both sides) from `prompt_ids`: time of
+    transformers' generate (use_cache=True, and False) relative to minillm's generate, on
+    model `name` (None: the bundled model) in `dtype` on `device` ("auto": bf16 on a GPU,
+    fp32 on a CPU). `layout` (default: on a CPU) adds minillm with `decode_layout`, the
+    weights stored [in, out] for the matrix-vector products of decode."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model, tok = load_model(), load_tokenizer()
-    hf = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, dtype=torch.float32).eval()
+    model, tok = load_model(name, dtype=dtype, device=device), load_tokenizer(name)
+    weight = model.lm_head.weight
+    layout = weight.device.type == "cpu" if layout is None else layout
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(name), dtype=weight.dtype)
+    hf = hf.to(weight.device).eval()
     hf.generation_config.eos_token_id = None  # generate exactly new_tokens, like ignore_eos
-    prompt_ids = tok.encode(PROMPT)
-    prompt = torch.tensor([prompt_ids])
+    ids = prompt_ids(tok)
+    prompt = torch.tensor([ids], device=weight.device)
     out: dict[str, list[int]] = {}
 
-    def ours() -> None:
-        out["minillm"] = generate(model, [prompt_ids], greedy(new_tokens))[0]
+    def ours(m: Transformer, label: str) -> Callable[[], None]:
+        def call() -> None:
+            out[label] = generate(m, [ids], greedy(new_tokens))[0]
+
+        return call
 
     def theirs(use_cache: bool) -> Callable[[], None]:
         def call() -> None:
             with torch.inference_mode():
-                ids = hf.generate(
+                gen = hf.generate(
                     prompt,
                     attention_mask=torch.ones_like(prompt),
                     max_new_tokens=new_tokens,
@@ -278,19 +328,27 @@ def compare_hf(
                     use_cache=use_cache,
                     pad_token_id=0,
                 )
-            out[f"HF use_cache={use_cache}"] = ids[0, len(prompt_ids) :].tolist()
+            out[f"HF use_cache={use_cache}"] = gen[0, len(ids) :].tolist()
 
         return call
 
-    fns = {"minillm": ours, "HF use_cache=True": theirs(True)}
+    fns = {"minillm": ours(model, "minillm")}
+    if layout:
+        fast = decode_layout(load_model(name, dtype=dtype, device=device))
+        fns["minillm, decode layout"] = ours(fast, "layout")
+    fns["HF use_cache=True"] = theirs(True)
     if uncached:
         fns["HF use_cache=False"] = theirs(False)
     samples = time_samples(fns, repeats=repeats, warmup=warmup)
     ratios = paired_ratios(samples, "minillm")
-    same = all(out[name] == out["minillm"] for name in fns)
+    same = all(out[k] == out["minillm"] for k in out)
     assert same, "minillm and transformers generated different tokens"
     assert len(out["minillm"]) == new_tokens
     return {
+        "model": name or "bundled",
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "device": weight.device.type,
+        "prompt_tokens": len(ids),
         "new_tokens": new_tokens,
         "same_tokens": same,
         "time_ratio": ratios,  # time / minillm's time
@@ -301,40 +359,90 @@ def compare_hf(
 # ------------------------------------------------------------------------- (d) roofline
 
 
+def matvec_fn(model: Transformer) -> Callable[[], Any]:
+    """The decode step's matrix-vector products alone: one row through every linear weight
+    (the LM head included), back to back, no model code around them."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    first = weights[0]
+    rows = {
+        w.shape[1]: torch.randn(1, w.shape[1], dtype=first.dtype, device=first.device)
+        for w in weights
+    }
+
+    @torch.inference_mode()
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(rows[w.shape[1]], w)
+
+    return run
+
+
 def decode_roofline(
-    cfg: ModelConfig | dict[str, Any] = SMOLLM2_135M,
+    model: Transformer | ModelConfig | dict[str, Any] = SMOLLM2_135M,
     context: int = 64,
     repeats: int = 10,
     copy_bytes: int = 512 * 2**20,
     split: bool = True,
+    layout: bool | None = None,
 ) -> dict[str, Any]:
     """Batch-1 cached decode at `context` tokens: tokens/s x bytes read per token (every
-    weight once, plus the K/V read by attention) vs the copy bandwidth measured here on
-    a `copy_bytes` buffer (default: larger than any CPU cache: main memory)."""
-    model = random_model(cfg)
-    fn = step_fns(model, context)["cached"]
-    roof = measure_roofline(copy_bytes=copy_bytes)
-    # Best of `repeats`, like the ceiling it is compared with (best of its runs): on a
+    weight once, plus the K/V read by attention) vs the read bandwidth measured here on a
+    `copy_bytes` buffer (default: larger than any CPU cache: main memory). `model`: a
+    model, or a config for a random-weight one. `layout` (default: on a CPU) also times a
+    copy with `decode_layout`'s weights. Where the time goes: the matrix-vector products
+    alone (`matvec_fn`) against the whole step, and `profile_split` of the step."""
+    if not isinstance(model, Transformer):
+        model = random_model(model)
+    weight = model.lm_head.weight
+    layout = weight.device.type == "cpu" if layout is None else layout
+    models = {"as loaded": model}
+    if layout:
+        models["decode layout"] = decode_layout(copy.deepcopy(model))
+    fns = {}
+    for label, m in models.items():
+        fns[label] = step_fns(m, context)["cached"]
+        fns[f"{label}: matvecs"] = matvec_fn(m)
+    roof = measure_roofline(weight.device, copy_bytes=copy_bytes)
+    samples = time_samples(fns, repeats=repeats, warmup=2)
+    # Best of `repeats`, like the ceilings it is compared with (best of their runs): on a
     # shared machine a median mixes in other processes' use of the memory bus.
-    step_s = min(time_samples({"decode": fn}, repeats=repeats, warmup=2)["decode"])
+    best = {k: min(v) for k, v in samples.items()}
     c = model.config
     weights = sum(p.nbytes for p in model.parameters())  # a tied embedding counts once
     kv = kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 4) * context
+    kv = kv * weight.element_size() // 4
+    matvec_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
     per_token = weights + kv
-    bound_tps = roof.bytes_per_s / per_token
+    bound_tps = roof.read_bytes_per_s / per_token
     out: dict[str, Any] = {
         "params": model.num_parameters(),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "device": weight.device.type,
         "weight_bytes": weights,
         "kv_bytes_read": kv,
         "bytes_per_token": per_token,
-        "bandwidth_Bps": roof.bytes_per_s,
-        "tokens_per_s": 1 / step_s,
+        "bandwidth_Bps": roof.bytes_per_s,  # copy: (read + write) / s
+        "read_Bps": roof.read_bytes_per_s,
         "bound_tokens_per_s": bound_tps,
-        "fraction_of_bound": (1 / step_s) / bound_tps,
-        "achieved_Bps": per_token / step_s,
+        "variants": {},
     }
+    for label in models:
+        step_s, mv_s = best[label], best[f"{label}: matvecs"]
+        out["variants"][label] = {
+            "tokens_per_s": 1 / step_s,
+            "fraction_of_bound": (1 / step_s) / bound_tps,
+            "achieved_Bps": per_token / step_s,
+            "matvec_share": mv_s / step_s,  # of a step's time: the products alone
+            "matvec_Bps": matvec_bytes / mv_s,
+        }
+        if label != "as loaded":
+            ratio = paired_ratios(samples, "as loaded")[label]
+            out["variants"][label]["speedup"] = 1 / ratio
+    top = out["variants"]["decode layout" if layout else "as loaded"]
+    out.update({k: top[k] for k in ("tokens_per_s", "fraction_of_bound", "achieved_Bps")})
+    out["best"] = "decode layout" if layout else "as loaded"
     if split:
-        s = profile_split(fn, repeats=3, warmup=1)
+        s = profile_split(fns[out["best"]], repeats=3, warmup=1)
         out["split"] = s.fractions()
         # Bandwidth inside the kernels alone: the same-run step time, less its overhead share.
         out["kernel_Bps"] = out["achieved_Bps"] / s.kernel_fraction
@@ -356,6 +464,8 @@ def print_steps(costs: dict[str, Any]) -> None:
 def print_e2e(rows: list[dict[str, Any]], predicted: dict[int, dict[str, float]]) -> None:
     print("\n(a) end to end: generate from a 16-token prompt up to N total tokens")
     print(f"{'N':>6} {'how':<28} {'no cache s':>10} {'cache s':>8} {'speedup':>8}")
+    if not rows and not predicted:
+        return
     for r in rows:
         how = "measured (same tokens)" if r["same_tokens"] else "measured (TOKENS DIFFER)"
         print(f"{r['total']:>6} {how:<28} {r['naive_s']:>10.2f} {r['cached_s']:>8.2f}", end="")
@@ -385,48 +495,92 @@ def print_gqa(rows: list[dict[str, Any]], alloc: dict[str, Any], tokens: int) ->
 
 
 def print_hf(r: dict[str, Any]) -> None:
-    print(f"\n(c) bundled model, {r['new_tokens']} new greedy tokens; same tokens: ", end="")
-    print(r["same_tokens"])
-    print(f"{'generator':<22} {'time / minillm':>15} {'tokens/s (this run)':>20}")
+    print(
+        f"\n(c) {r['model']} ({r['dtype']}, {r['device']}), {r['prompt_tokens']}-token prompt, "
+        f"{r['new_tokens']} new greedy tokens; same tokens: {r['same_tokens']}"
+    )
+    print(f"{'generator':<24} {'time / minillm':>15} {'tokens/s (this run)':>20}")
     for name, ratio in r["time_ratio"].items():
-        print(f"{name:<22} {ratio:>14.2f}x {r['tokens_per_s'][name]:>20.0f}")
+        print(f"{name:<24} {ratio:>14.2f}x {r['tokens_per_s'][name]:>20.1f}")
 
 
-def print_roofline(r: dict[str, Any]) -> None:
-    print("\n(d) roofline, SmolLM2-135M-shaped random model, batch-1 cached decode, fp32")
+def print_roofline(r: dict[str, Any], name: str = "SmolLM2-135M") -> None:
+    print(f"\n(d) roofline, {name}, batch-1 cached decode, {r['dtype']}, {r['device']}")
     print(f"  bytes read per token: {format_bytes(r['bytes_per_token'])} ", end="")
     print(f"(weights {format_bytes(r['weight_bytes'])} + KV {format_bytes(r['kv_bytes_read'])})")
-    print(f"  measured copy bandwidth: {r['bandwidth_Bps'] / 1e9:.1f} GB/s", end="")
-    print(f" -> bound {r['bound_tokens_per_s']:.1f} tokens/s")
-    print(f"  measured decode: {r['tokens_per_s']:.1f} tokens/s = ", end="")
-    print(f"{r['achieved_Bps'] / 1e9:.1f} GB/s = {r['fraction_of_bound']:.0%} of the bound")
+    print(f"  measured read bandwidth: {r['read_Bps'] / 1e9:.1f} GB/s", end="")
+    print(
+        f" (copy: {r['bandwidth_Bps'] / 1e9:.1f} GB/s) -> bound {r['bound_tokens_per_s']:.1f} tok/s"
+    )
+    for label, v in r["variants"].items():
+        gain = f", {v['speedup']:.2f}x as loaded" if "speedup" in v else ""
+        print(
+            f"  {label + ':':<15} {v['tokens_per_s']:.1f} tok/s = "
+            f"{v['achieved_Bps'] / 1e9:.1f} GB/s"
+            f" = {v['fraction_of_bound']:.0%} of the bound{gain}; matrix-vector products alone "
+            f"{v['matvec_share']:.0%} of the step, at {v['matvec_Bps'] / 1e9:.1f} GB/s "
+            f"({v['matvec_Bps'] / r['read_Bps']:.0%} of the read bandwidth)"
+        )
     if "split" in r:
         parts = ", ".join(f"{k} {v:.0%}" for k, v in r["split"].items())
-        print(f"  where a decode step's time goes: {parts}")
-        print(f"  bandwidth inside the kernels alone: {r['kernel_Bps'] / 1e9:.1f} GB/s", end="")
-        print(f" = {r['kernel_Bps'] / r['bandwidth_Bps']:.0%} of the copy bandwidth")
+        print(f"  where a step's time goes ({r['best']}, profiler): {parts}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
+    ap.add_argument(
+        "--model", default="smollm2", help="smollm2 (default), bundled, or a checkpoint"
+    )
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
+    ap.add_argument(
+        "--e2e",
+        default=None,
+        help="total lengths for the end-to-end measurement, e.g. 256,1024 (default: 256,1024; "
+        "--quick: 256). 1024 on SmolLM2 takes most of an hour (the naive loop)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), ...")
     ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
-    print(f"torch {torch.__version__}, {args.threads} thread(s), quick={args.quick}")
-
+    name = model_name(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), quick={args.quick}, "
+        f"model {args.model}, {str(dtype).removeprefix('torch.')} on {device.type}"
+    )
     if args.quick:
         lengths, e2e_lengths, predict_at, new_tokens, ctx = [64, 256, 512], [256], [1024], 64, 32
     else:
         lengths, e2e_lengths = [64, 128, 256, 512, 1024, 2048], [256, 1024]
         predict_at, new_tokens, ctx = [1024, 2048], 200, 64
-    model = long_context_model(max(max(lengths), max(predict_at)))
-    costs = step_costs(model, lengths, repeats=3 if args.quick else 5)
+    if args.e2e:
+        e2e_lengths = [int(n) for n in args.e2e.split(",")]
+    longest = max(*lengths, *predict_at, *e2e_lengths)
+    model = load_model(name, dtype=dtype, device=device)
+    if model.config.max_position_embeddings < longest:  # the bundled model: 256 positions
+        model_a = long_context_model(longest).to(device=device, dtype=dtype)
+        label_a = f"{args.model} shapes, random weights, {longest} positions"
+    else:
+        model_a, label_a = model, args.model
+    print(f"(a) and the roofline on: {label_a}")
+
+    roof = decode_roofline(model, context=ctx, repeats=5 if args.quick else 10)
+    print_roofline(roof, args.model)
+
+    hf = compare_hf(name, new_tokens, repeats=3 if args.quick else 5, device=device, dtype=dtype)
+    print_hf(hf)
+
+    costs = step_costs(model_a, lengths, repeats=3 if args.quick else 5)
     print_steps(costs)
-    e2e = [end_to_end(model, n, repeats=2) for n in e2e_lengths]
+    e2e = []
+    for n in e2e_lengths:  # one pair each for the real model: the naive loop is the hour
+        e2e.append(end_to_end(model_a, n, repeats=2 if model_a is not model else 1))
+        print_e2e(e2e[-1:], {})
     predicted = {n: predicted_totals(costs, 16, n) for n in sorted({*e2e_lengths, *predict_at})}
     print_e2e(e2e, predicted)
 
@@ -434,17 +588,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gqa, alloc = gqa_table(tokens), kv_allocation_check()
     print_gqa(gqa, alloc, tokens)
 
-    hf = compare_hf(new_tokens, repeats=3 if args.quick else 5)
-    print_hf(hf)
-
-    roof = decode_roofline(context=ctx, repeats=5 if args.quick else 10)
-    print_roofline(roof)
-
     results = {
         "threads": args.threads,
         "quick": args.quick,
-        "model_a": "bundled shapes (d128, 4 layers), random weights, "
-        f"{model.config.max_position_embeddings} positions",
+        "model": args.model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "model_a": label_a,
         "step_costs": costs,
         "end_to_end": e2e,
         "predicted": predicted,
@@ -455,22 +605,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
     }
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     measured = e2e[-1]
     pred = predicted[predict_at[-1]]
     ratios = hf["time_ratio"]
     summary = (
-        f"SUMMARY kv-cache: speedup {measured['speedup']:.1f}x at {measured['total']} tokens "
-        f"(measured), {pred['speedup']:.1f}x at {predict_at[-1]} (predicted); step at "
-        f"{lengths[-1]}: {costs['ratio'][-1]:.1f}x; HF use_cache=True takes "
-        f"{ratios['HF use_cache=True']:.2f}x minillm's time"
+        f"SUMMARY kv-cache ({args.model}): speedup {measured['speedup']:.1f}x at "
+        f"{measured['total']} tokens (measured), {pred['speedup']:.1f}x at {predict_at[-1]} "
+        f"(predicted); step at {lengths[-1]}: {costs['ratio'][-1]:.1f}x; HF use_cache=True "
+        f"takes {ratios['HF use_cache=True']:.2f}x minillm's time"
     )
     if "HF use_cache=False" in ratios:
         summary += f", use_cache=False {ratios['HF use_cache=False']:.2f}x"
+    if "minillm, decode layout" in ratios:
+        summary += f", minillm with the decode layout {ratios['minillm, decode layout']:.2f}x"
+    v = roof["variants"]
     summary += (
         f"; GQA saves {gqa[0]['saving']:.0f}x (SmolLM2-135M), {gqa[1]['saving']:.0f}x "
-        f"(Llama-3-8B); decode at {roof['fraction_of_bound']:.0%} of the bandwidth bound "
-        f"({roof['tokens_per_s']:.1f}/{roof['bound_tokens_per_s']:.1f} tok/s); "
+        f"(Llama-3-8B); decode at "
+        + ", ".join(f"{v[k]['fraction_of_bound']:.0%} ({k})" for k in v)
+        + f" of the read-bandwidth bound ({roof['bound_tokens_per_s']:.1f} tok/s); "
         f"{args.threads} thread(s), {results['seconds']:.0f} s"
     )
     print(summary)

@@ -1,6 +1,7 @@
 """Chapter 03 benchmark: PyTorch eager vs ONNX Runtime (each optimisation level, int8) on CPU.
 
-    python -m benchmarks.onnx_runtime [--quick] [--no-smol] [--threads N] [--json results.json]
+    python -m benchmarks.onnx_runtime [--models bundled,smollm2] [--quick] [--no-smol]
+                                      [--threads N] [--json results.json]
 
 For each model, the decoder-step graph (`minillm.export.onnx.export_decoder_step`) is
 exported once and serves both phases, as it does in generation:
@@ -15,13 +16,14 @@ exported once and serves both phases, as it does in generation:
     are timed in alternation in the same rounds; a ratio is the median over rounds of
     eager's time / the variant's time (> 1: faster than eager). torch and ORT both use
     `--threads` threads.
-(d) quality of int8 (bundled model only, trained weights): held-out perplexity of
-    PyTorch, ORT fp32 and ORT int8, and int8's next-token agreement with fp32.
+(d) quality of int8: held-out perplexity of PyTorch, ORT fp32 and ORT int8, and int8's
+    next-token agreement with fp32; the bundled model on its held-out KJV, SmolLM2 on the
+    CIA World Factbook and the KJV (`minillm.training.factbook_ids`, `held_out_ids`).
 
-Models: the bundled model (1.3M parameters), and unless --no-smol a random-weight model
-with SmolLM2-135M's shapes (speed depends on shapes, not on what the weights learned;
-its export takes minutes and ~3.5 GB of memory). Ends with one `SUMMARY onnx` line per
-model.
+Models (`--models`, default both): the bundled model (1.3M parameters) and SmolLM2-135M-
+Instruct (`smollm2`, offline; its export takes minutes and ~3.5 GB of memory); `--no-smol`
+is `--models bundled`. ONNX Runtime runs on its CPU provider, so everything here runs on
+the CPU in fp32 whatever GPU the machine has. Ends with one `SUMMARY onnx` line per model.
 """
 
 from __future__ import annotations
@@ -50,13 +52,8 @@ from minillm.export.onnx_runtime import (
     quantize_int8,
 )
 from minillm.lab import format_bytes, paired_ratios, time_samples
-from minillm.model import (
-    Transformer,
-    random_model,
-    save_model,
-)
-from minillm.model.shapes import SMOLLM2_135M
-from minillm.training import held_out_ids, next_token_agreement, perplexity
+from minillm.model import Tokenizer, Transformer, save_model
+from minillm.training import factbook_ids, held_out_ids, next_token_agreement, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,20 +177,34 @@ def speed(
     return out
 
 
-def quality(model: Transformer, paths: dict[str, Path], max_windows: int) -> dict[str, float]:
-    """Held-out perplexity (PyTorch, ORT fp32, ORT int8) and int8's next-token agreement."""
-    ids = held_out_ids(load_tokenizer())
-    window = model.config.max_position_embeddings
+def quality(
+    model: Transformer,
+    paths: dict[str, Path],
+    max_windows: int,
+    tokenizer: Tokenizer | None = None,
+    window: int | None = None,
+) -> dict[str, Any]:
+    """Held-out perplexity (PyTorch, ORT fp32, ORT int8) and int8's next-token agreement
+    with ORT fp32, per corpus: the held-out KJV for the bundled model (its own tokenizer,
+    the default), and the CIA World Factbook too for a model with a chat template (a real
+    English model). `window` defaults to the model's context, at most 256 tokens."""
+    tok = tokenizer or load_tokenizer()
+    corpora = {"kjv": held_out_ids(tok)}
+    if tok.chat_template is not None:
+        corpora = {"factbook": factbook_ids(tok), **corpora}
+    window = window or min(model.config.max_position_embeddings, 256)
     fp32 = ort_logits_fn(ort_session(paths["onnx"]))
     int8 = ort_logits_fn(ort_session(paths["onnx int8"]))
     kw = dict(window=window, batch_size=4, max_windows=max_windows)
-    return {
-        "ppl_torch": perplexity(model, ids, **kw),
-        "ppl_ort_fp32": perplexity(fp32, ids, **kw),
-        "ppl_ort_int8": perplexity(int8, ids, **kw),
-        "agreement_int8": next_token_agreement(fp32, int8, ids, **kw),
-        "tokens": max_windows * window,
-    }
+    out: dict[str, Any] = {"tokens": max_windows * window, "window": window}
+    for name, ids in corpora.items():
+        out[name] = {
+            "ppl_torch": perplexity(model, ids, **kw),
+            "ppl_ort_fp32": perplexity(fp32, ids, **kw),
+            "ppl_ort_int8": perplexity(int8, ids, **kw),
+            "agreement_int8": next_token_agreement(fp32, int8, ids, **kw),
+        }
+    return out
 
 
 def run_model(
@@ -205,6 +216,7 @@ def run_model(
     threads: int,
     repeats: int,
     max_windows: int | None,
+    tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     paths = export(model, out_dir)
@@ -216,7 +228,7 @@ def run_model(
     result["max_abs_diff"] = check_outputs(fns)
     result["speed"] = speed(fns, repeats)
     if max_windows:
-        result["quality"] = quality(model, paths, max_windows)
+        result["quality"] = quality(model, paths, max_windows, tokenizer)
     result["prefill"], result["past"] = prefill, past
     print_result(result)
     return result
@@ -239,15 +251,17 @@ def print_result(r: dict[str, Any]) -> None:
         print(f"    {name:<16} {ratio:>11.2f}x {r['speed']['decode'][name]:>11.2f}x")
     if "quality" in r:
         q = r["quality"]
-        print(
-            f"(d) held-out perplexity over {q['tokens']:,} tokens: torch {q['ppl_torch']:.3f}, ",
-            end="",
-        )
-        print(
-            f"ORT fp32 {q['ppl_ort_fp32']:.3f}, ORT int8 {q['ppl_ort_int8']:.3f}; int8 top-1 ",
-            end="",
-        )
-        print(f"agreement with fp32 {q['agreement_int8']:.1%}")
+        print(f"(d) held-out perplexity, {q['tokens']:,} tokens ({q['window']}-token windows)")
+        for corpus in ("factbook", "kjv"):
+            if corpus in q:
+                c = q[corpus]
+                print(
+                    f"    {corpus:<9} torch {c['ppl_torch']:.3f}, "
+                    f"ORT fp32 {c['ppl_ort_fp32']:.3f}, "
+                    f"ORT int8 {c['ppl_ort_int8']:.3f} "
+                    f"({c['ppl_ort_int8'] / c['ppl_ort_fp32'] - 1:+.1%}); int8 top-1 agreement "
+                    f"with fp32 {c['agreement_int8']:.1%}"
+                )
 
 
 def summary(r: dict[str, Any], threads: int) -> str:
@@ -262,18 +276,21 @@ def summary(r: dict[str, Any], threads: int) -> str:
         f"int8 {format_bytes(sz['onnx int8'])}"
     )
     if "quality" in r:
-        q = r["quality"]
-        line += (
-            f"; ppl fp32 {q['ppl_ort_fp32']:.2f} int8 {q['ppl_ort_int8']:.2f}, "
-            f"agreement {q['agreement_int8']:.1%}"
-        )
+        for corpus in ("factbook", "kjv"):
+            if corpus in r["quality"]:
+                q = r["quality"][corpus]
+                line += (
+                    f"; {corpus} ppl fp32 {q['ppl_ort_fp32']:.2f} int8 {q['ppl_ort_int8']:.2f}, "
+                    f"agreement {q['agreement_int8']:.1%}"
+                )
     return line + f"; {threads} thread(s)"
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and windows")
-    ap.add_argument("--no-smol", action="store_true", help="skip the SmolLM2-135M-shaped model")
+    ap.add_argument("--models", default="bundled,smollm2", help="comma-separated models")
+    ap.add_argument("--no-smol", action="store_true", help="the bundled model only")
     ap.add_argument("--threads", type=int, default=1, help="torch and ORT intra-op threads")
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--past", type=int, default=128)
@@ -287,34 +304,26 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     repeats = 10 if args.quick else 30
     results = []
+    names = ["bundled"] if args.no_smol else args.models.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        bundled = load_model()
-        results.append(
-            run_model(
-                "bundled",
-                bundled,
-                Path(tmp) / "bundled",
-                args.prefill,
-                args.past,
-                args.threads,
-                repeats,
-                max_windows=8 if args.quick else 32,
-            )
-        )
-        if not args.no_smol:
-            smol = random_model(SMOLLM2_135M)
+        for name in names:
+            path = None if name == "bundled" else name
+            model, tok = load_model(path), load_tokenizer(path)
+            small = model.num_parameters() < 10**7
             results.append(
                 run_model(
-                    "SmolLM2-135M shape (random)",
-                    smol,
-                    Path(tmp) / "smol",
+                    name,
+                    model,
+                    Path(tmp) / name.replace("/", "_"),
                     args.prefill,
                     args.past,
                     args.threads,
-                    max(repeats // 3, 5),
-                    max_windows=None,
+                    repeats if small else max(repeats // 3, 5),
+                    max_windows=(8 if args.quick else 32) if small else (2 if args.quick else 8),
+                    tokenizer=tok,
                 )
             )
+            del model
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -33,10 +33,7 @@ Parts (a) and (b) count blocks and tokens: exact, no timing, so no noise.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import report
 from minillm.cache import BlockManager, OutOfBlocks
 from minillm.cache.block_manager import PagedSequence
 
@@ -124,8 +122,13 @@ def simulate(
     trace: Sequence[tuple[int, int]], policy: str, budget: int = BUDGET, block_size: int = 16
 ) -> dict[str, Any]:
     """Replay the trace; return the time-averaged split of the budget (PARTS), the mean
-    number of running requests, steps taken and preemptions. Averages cover the steps
-    during which requests were still waiting."""
+    number of running requests, steps taken, preemptions and their cost. Averages cover the
+    steps during which requests were still waiting.
+
+    A preempted request starts again from its prompt: the decode steps that regenerate its
+    tokens are counted in `steps` (so output tokens per step is a throughput proxy that
+    pays for them), while its prompt's second prefill is not a step here; it is reported
+    as `reprefilled` tokens instead."""
     queue = [Request(i, p, o) for i, (p, o) in enumerate(trace)]
     queue.reverse()  # pop() from the end = FCFS
     paged = policy.startswith("paged")
@@ -136,7 +139,7 @@ def simulate(
         space = FirstFit(budget)
     running: list[Request] = []
     sums, busy_steps, steps, preemptions = dict.fromkeys(PARTS, 0.0), 0, 0, 0
-    running_sum = 0
+    running_sum, reprefilled = 0, 0
     while queue or running:
         blocked_need = 0  # slots the head of the queue needed and could not get
         while queue:  # admit in order while the head fits
@@ -186,6 +189,7 @@ def simulate(
                         seqs[r.rid].token_ids.pop()
                         victim = running.pop()
                         manager.free(seqs[victim.rid])
+                        reprefilled += victim.prompt
                         victim.done = 0
                         queue.append(victim)
                         preemptions += 1
@@ -204,6 +208,8 @@ def simulate(
         "mean_running": running_sum / n,
         "steps": steps,
         "preemptions": preemptions,
+        "tokens_per_step": sum(o for _, o in trace) / steps,
+        "reprefilled": reprefilled,
     }
 
 
@@ -226,11 +232,12 @@ def print_fragmentation(rows: list[dict[str, Any]], trace) -> None:
         f"{np.median(o):.0f} / max {o.max()}; budget {BUDGET} slots, max_len {MAX_LEN}"
     )
     head = f"{'policy':<18}" + "".join(f"{c:>10}" for c in PARTS)
-    print(head + f"{'running':>9}{'steps':>8}{'preempt':>8}")
+    print(head + f"{'running':>9}{'steps':>8}{'tok/step':>9}{'preempt':>8}{'re-prefill':>11}")
     for r in rows:
         cells = "".join(f"{r[c]:>10.1%}" for c in PARTS)
         print(
-            f"{r['policy']:<18}{cells}{r['mean_running']:>9.1f}{r['steps']:>8}{r['preemptions']:>8}"
+            f"{r['policy']:<18}{cells}{r['mean_running']:>9.1f}{r['steps']:>8}"
+            f"{r['tokens_per_step']:>9.1f}{r['preemptions']:>8}{r['reprefilled']:>11}"
         )
 
 
@@ -307,12 +314,10 @@ def print_sharing(sys_rows: list[dict[str, Any]], par_rows: list[dict[str, Any]]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a shorter trace (about 15 s)")
+    ap = report.parser(__doc__, quick="a shorter trace (about 15 s)")
     ap.add_argument("--requests", type=int, help="requests in the trace (default 1000)")
-    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
+    run = report.start("paged", args)
     n = args.requests or (300 if args.quick else 1000)
     trace = make_trace(n)
     frag = fragmentation(trace)
@@ -325,25 +330,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "fragmentation": frag,
         "system_prompt": sys_rows,
         "parallel_sampling": par_rows,
-        "seconds": time.perf_counter() - t0,
     }
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     by = {r["policy"]: r for r in frag}
     gain = by["paged-16"]["mean_running"] / by["contiguous-max"]["mean_running"]
     contiguous = [by[p]["tokens"] for p in POLICIES]
     summary = (
-        f"SUMMARY paged: real tokens fill {min(contiguous):.1%}-{max(contiguous):.1%} of KV "
-        f"memory with contiguous allocation (max/pow2/oracle) vs {by['paged-16']['tokens']:.1%} "
-        f"paged (block 16; {by['paged-8']['tokens']:.1%} at 8, {by['paged-32']['tokens']:.1%} "
-        f"at 32); requests running at once {by['contiguous-max']['mean_running']:.1f} -> "
+        f"real tokens fill {min(contiguous):.1%}-{max(contiguous):.1%} of KV memory with "
+        f"contiguous allocation (max/pow2/oracle) vs {by['paged-16']['tokens']:.1%} paged "
+        f"(block 16; {by['paged-8']['tokens']:.1%} at 8, {by['paged-32']['tokens']:.1%} at 32); "
+        f"requests running at once {by['contiguous-max']['mean_running']:.1f} -> "
         f"{by['paged-16']['mean_running']:.1f} ({gain:.1f}x); "
         f"512-token system prompt: {sys_rows[1]['memory_saved']:.0%} memory saved, "
         f"{sys_rows[1]['prefill_skipped']:.0%} prefill skipped; parallel sampling n=4: "
-        f"{par_rows[1]['saved']:.0%} memory saved; {n} requests, {results['seconds']:.0f} s"
+        f"{par_rows[1]['saved']:.0%} memory saved; {n} requests"
     )
-    print(summary)
-    return results
+    return run.finish(results, summary)
 
 
 if __name__ == "__main__":

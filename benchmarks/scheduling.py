@@ -22,16 +22,13 @@ shapes, not on what the weights learned; the bundled model's own context is 256 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from benchmarks import report
 from minillm.engine import Engine, SamplingParams
 from minillm.model import ModelConfig, load_tokenizer, random_model
 
@@ -110,17 +107,14 @@ def preemption(model, tok, context: int, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer requests (about a minute)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap = report.parser(__doc__, quick="fewer requests (about a minute)")
     ap.add_argument("--repeats", type=int, default=3)
     # A prompt token costs this small CPU model about what a decode row does, so the budget
     # that keeps a mixed step near a decode step's time is small; on a GPU (prefill tokens
     # run in parallel almost for free) vLLM's default is 2048 or more.
     ap.add_argument("--budget", type=int, default=64, help="tokens per step when chunked")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    run = report.start("scheduling", args)
     tok, model = load_tokenizer(), model_with_context()
     chunk = chunked_prefill(model, tok, args.quick, args.repeats, args.budget)
     for name in ("chunked", "unchunked"):
@@ -135,18 +129,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"swap {sw['tok_s']:6.1f} tok/s ({sw['prompt_tokens_computed']}, "
               f"{sw['preemptions']})")  # fmt: skip
     c, u = chunk["chunked"], chunk["unchunked"]
-    print(
-        f"SUMMARY scheduling: chunked prefill ITL p99/p50 {c['itl_p99_ms'] / c['itl_p50_ms']:.1f}x "
+    summary = (
+        f"chunked prefill ITL p99/p50 {c['itl_p99_ms'] / c['itl_p50_ms']:.1f}x "
         f"(goal <= 3x) vs {u['itl_p99_ms'] / u['itl_p50_ms']:.1f}x unchunked; throughput "
         f"{c['tok_s'] / u['tok_s']:.2f}x unchunked (goal >= 0.90); swap/recompute throughput "
         f"{pre[0]['swap']['tok_s'] / pre[0]['recompute']['tok_s']:.2f}x at 64-token context, "
-        f"{pre[1]['swap']['tok_s'] / pre[1]['recompute']['tok_s']:.2f}x at 1024; "
-        f"{args.threads} thread(s)"
+        f"{pre[1]['swap']['tok_s'] / pre[1]['recompute']['tok_s']:.2f}x at 1024"
     )
-    result = {"chunked_prefill": chunk, "preemption": pre}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return run.finish({"chunked_prefill": chunk, "preemption": pre}, summary)
 
 
 if __name__ == "__main__":

@@ -248,11 +248,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, batch: int) -> subprocess.Popen:
-    """`minillm` serving the bundled model in a subprocess (one intra-op thread)."""
+def start_server(
+    port: int, batch: int, model: str | None = None, **engine_kwargs: Any
+) -> subprocess.Popen:
+    """`minillm` serving `model` (None: the bundled one) in a subprocess with one intra-op
+    thread; `engine_kwargs` go to `Engine` (e.g. `prefix_cache=False`)."""
+    kwargs = {"max_num_seqs": batch, **engine_kwargs}
     code = (
         "import torch; torch.set_num_threads(1); from minillm.serving.api_server import serve; "
-        f"serve(port={port}, log_level='warning', max_num_seqs={batch})"
+        f"serve({model!r}, port={port}, log_level='warning', **{kwargs!r})"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
@@ -302,16 +306,36 @@ async def one_request(
 
 
 async def poisson_run(
-    url: str, work, rate: float, seed: int = SEED, extra: dict | None = None
+    url: str,
+    work,
+    rate: float,
+    seed: int = SEED,
+    extra: dict | None = None,
+    concurrency: int | None = None,
+    keepalive: bool = True,
 ) -> dict[str, Any]:
-    """Send the workload with exponential gaps of mean 1/rate (inf: all at once)."""
+    """Send the workload with exponential gaps of mean 1/rate (inf: all at once), at most
+    `concurrency` requests in flight (None: no limit); a request that arrives while the
+    limit is reached waits in the client, as with vLLM `bench serve --max-concurrency`.
+    With rate inf and a limit this is a closed loop: a new request as soon as one ends.
+
+    `keepalive=False` opens a new connection for every request (its set-up then counts in
+    TTFT): for servers that close a connection after a streamed response while announcing
+    keep-alive (llama.cpp's llama-server), where reusing it races the close."""
     import httpx
 
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as c:
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=None if keepalive else 0)
+    gate = asyncio.Semaphore(concurrency or len(work) or 1)
+
+    async def limited(prompt, n):
+        async with gate:
+            return await one_request(c, url, prompt, n, extra)
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
         tasks, t0 = [], time.perf_counter()
         for prompt, n in work:
-            tasks.append(asyncio.create_task(one_request(c, url, prompt, n, extra)))
+            tasks.append(asyncio.create_task(limited(prompt, n)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         done = await asyncio.gather(*tasks)

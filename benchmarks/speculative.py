@@ -1,10 +1,20 @@
 """Chapter 10 benchmark: when does speculative decoding pay, on this machine?
 
-    python -m benchmarks.speculative [--quick] [--threads N] [--json results.json]
+    python -m benchmarks.speculative [--model smollm2|bundled] [--quick] [--threads N]
+                                     [--json results.json]
 
-Target: the bundled model. Draft: the bundled draft (same tokenizer, 2 layers of width
-64, trained by the same script: see minillm/bundled_draft/README.md). Three parts; the
-last line is one `SUMMARY speculative:` line.
+`--model smollm2` (the default): SmolLM2-135M-Instruct with prompt lookup (n-gram
+speculation, no draft model: `minillm.generation.lookup`), on three chat tasks: quoting a
+paragraph of the prompt (where lookup shines), summarising it, and free writing (where it
+does not). Per task and k: acceptance, tokens per target forward, and the speed-up over
+plain `generate`, measured A/B interleaved with the same greedy tokens asserted; and what a
+target forward over k + 1 tokens costs against one over 1 token (lookup's only cost).
+SmolLM2 has no draft that shares its tokenizer here (the bundled draft's vocabulary is the
+KJV model's).
+
+`--model bundled`: target the bundled model, draft the bundled draft (same tokenizer, 2
+layers of width 64, trained by the same script: see minillm/bundled_draft/README.md), in
+the parts below. The last line is one `SUMMARY speculative:` line either way.
 
 (a) Acceptance: for k = 1..8 proposals per round, greedy and sampled (temperature 0.8),
     the fraction of proposals kept and the tokens emitted per target forward, over the
@@ -36,10 +46,10 @@ from minillm import (
     load_model,
     load_tokenizer,
 )
-from minillm.generation import speculative_generate
+from minillm.generation import prompt_lookup_generate, speculative_generate
 from minillm.generation.cached import eager_decode_step, prefill
 from minillm.generation.speculative import SpecStats, predicted_speedup
-from minillm.lab import time_ratios
+from minillm.lab import paired_ratios, time_ratios, time_samples
 from minillm.model import (
     Transformer,
     random_model,
@@ -107,14 +117,140 @@ def speed(target, draft, prompts, params, ks, repeats: int) -> dict[int, float]:
     return {k: 1 / ratios[f"k={k}"] for k in ks}
 
 
+# ------------------------------------------------------------ prompt lookup, real model
+
+LOOKUP_KS = (2, 4, 8)
+
+
+def lookup_tasks(tok) -> dict[str, list[int]]:
+    """Three chat prompts (the model's template) on one CIA World Factbook paragraph: copy
+    it, summarise it, and a free-writing prompt that has nothing to copy."""
+    from minillm.training.english import load_factbook
+
+    paragraph = next(p for p in load_factbook() if 500 < len(p) < 800)
+    tasks = {
+        "quote": f"Copy this paragraph word for word:\n\n{paragraph}",
+        "summarise": f"Summarize this paragraph:\n\n{paragraph}",
+        "free": "Write a short poem about the sea.",
+    }
+    return {k: tok.apply_chat_template([{"role": "user", "content": v}]) for k, v in tasks.items()}
+
+
+def lookup_acceptance(model, prompt, params, ks=LOOKUP_KS) -> dict[int, dict[str, float]]:
+    """Per k: acceptance, share of rounds that found a match, tokens per target forward;
+    asserts the tokens equal plain greedy decoding."""
+    from minillm.generation.lookup import NgramProposer
+    from minillm.generation.speculative import speculate
+
+    plain = generate(model, [prompt], params)[0]
+    out = {}
+    for k in ks:
+        proposer = NgramProposer(model.config.vocab_size, device=model.lm_head.weight.device)
+        tokens, stats = speculate(model, proposer, prompt, params, k)
+        assert tokens == plain, f"prompt lookup changed the greedy output (k={k})"
+        out[k] = {
+            "acceptance": stats.acceptance_rate,
+            "hit_rate": proposer.hits / proposer.lookups,
+            "tokens_per_round": stats.tokens_per_round,
+            "new_tokens": len(tokens),
+        }
+    return out
+
+
+def lookup_speed(model, prompt, params, ks=LOOKUP_KS, repeats: int = 5) -> dict[int, float]:
+    """Speed-up of prompt_lookup_generate at each k over plain generate: median of paired
+    per-round ratios, every variant interleaved in one run."""
+    fns: dict[str, Any] = {"plain": lambda: generate(model, [prompt], params)}
+    for k in ks:
+        fns[f"k={k}"] = lambda k=k: prompt_lookup_generate(model, prompt, params, k=k)
+    with torch.inference_mode():
+        samples = time_samples(fns, repeats=repeats, warmup=1)
+    ratios = paired_ratios(samples, "plain")
+    return {k: 1 / ratios[f"k={k}"] for k in ks}
+
+
+def verify_cost(model, ks=LOOKUP_KS, context: int = 160, repeats: int = 10) -> dict[int, float]:
+    """A target forward over k + 1 new tokens (a verification) over one over 1 token (a
+    decode step), both at `context` cached tokens: what a round costs when no proposal is
+    kept. At batch 1 both read every weight once; the extra rows are extra arithmetic."""
+    device = model.lm_head.weight.device
+    ids = torch.arange(1, context + 1, device=device)[None]
+    fns = {}
+    for n in (1, *(k + 1 for k in ks)):
+        cache, _, _ = prefill(model, [ids[0].tolist()], max_tokens=max(ks) + 1)
+        new = torch.ones(1, n, dtype=torch.long, device=device)
+        pos = torch.arange(context, context + n, device=device)[None]
+
+        def forward(cache=cache, new=new, pos=pos, n=n) -> None:
+            cache.kv_len = context + n
+            model(new, pos, cache=cache)
+
+        fns[n] = forward
+    with torch.inference_mode():
+        samples = time_samples(fns, repeats=repeats, warmup=2)
+    ratios = paired_ratios(samples, 1)
+    return {k: ratios[k + 1] for k in ks}
+
+
+def main_lookup(args, name: str) -> dict[str, Any]:
+    """--model smollm2 (or another chat model): prompt lookup on three tasks."""
+    model, tok = load_model(name, device=args.device, dtype=args.dtype), load_tokenizer(name)
+    ks = (4,) if args.quick else LOOKUP_KS
+    repeats = 3 if args.quick else 5
+    params = SamplingParams(temperature=0, max_tokens=48 if args.quick else 96)
+    tasks = lookup_tasks(tok)
+    print(f"target {name}: {model.num_parameters():,} parameters; prompt lookup, n-gram 1..3")
+    result: dict[str, Any] = {"model": name, "threads": args.threads, "ks": list(ks)}
+    cost = verify_cost(model, ks, repeats=repeats * 2)
+    print("\n(a) a target forward over k + 1 tokens / one over 1 token (160 cached tokens):")
+    print("  " + ", ".join(f"k={k}: {c:.2f}x" for k, c in cost.items()))
+    result["verify_cost"] = cost
+    print(f"\n(b) greedy, up to {params.max_tokens} new tokens; same tokens as plain asserted")
+    head = f"{'task':<10} {'prompt':>6} {'k':>3} {'accept':>7} {'hits':>5} {'tok/fwd':>8}"
+    print(f"{head} {'speed-up':>9}")
+    for task, prompt in tasks.items():
+        acc = lookup_acceptance(model, prompt, params, ks)
+        speed = lookup_speed(model, prompt, params, ks, repeats)
+        result[task] = {"prompt_tokens": len(prompt), "acceptance": acc, "speedup": speed}
+        for k in ks:
+            a = acc[k]
+            print(
+                f"{task:<10} {len(prompt):>6} {k:>3} {a['acceptance']:>7.2f} "
+                f"{a['hit_rate']:>5.0%} {a['tokens_per_round']:>8.2f} {speed[k]:>8.2f}x"
+            )
+    best = {t: max(ks, key=lambda k, t=t: result[t]["speedup"][k]) for t in tasks}
+    print(
+        "\nSUMMARY speculative (prompt lookup, "
+        + name
+        + "): "
+        + "; ".join(
+            f"{t} {result[t]['speedup'][best[t]]:.2f}x at k={best[t]} "
+            f"(acceptance {result[t]['acceptance'][best[t]]['acceptance']:.2f}, "
+            f"{result[t]['acceptance'][best[t]]['tokens_per_round']:.2f} tokens per forward)"
+            for t in tasks
+        )
+        + f"; a {max(ks) + 1}-token verify costs {cost[max(ks)]:.2f}x a decode step; "
+        f"{args.threads} thread(s)"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 (prompt lookup) or bundled")
     ap.add_argument("--quick", action="store_true", help="fewer k and repeats, no part (c)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), ...")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.model != "bundled":
+        return main_lookup(args, args.model)
     target, draft = load_model(), load_model(BUNDLED_DRAFT_DIR)
     tok = load_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]

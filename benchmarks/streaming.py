@@ -13,15 +13,13 @@ every token (what a naive streamer does) timed at the same lengths.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import report
 from minillm.engine import Engine, SamplingParams
 from minillm.model import ModelConfig, load_tokenizer, random_model
 
@@ -64,12 +62,9 @@ def naive_decode_cost(tokenizer, ids: list[int], at: int, repeats: int = 20) -> 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1024 instead of 4096 tokens")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", type=Path)
+    ap = report.parser(__doc__, quick="1024 instead of 4096 tokens")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    run = report.start("streaming", args)
     tok, model = load_tokenizer(), long_context_model()
     lengths = (256, 1024 if args.quick else 4096)
     rows = [stream_cost(model, tok, n) for n in lengths]
@@ -77,21 +72,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = torch.randint(10, tok.vocab_size, (lengths[1],), generator=g).tolist()
     naive = {n: naive_decode_cost(tok, ids, n) for n in lengths}
     flat = rows[1]["postprocess_s_per_token"] / rows[0]["postprocess_s_per_token"]
-    out = {"rows": rows, "naive_decode_s": naive, "ratio_long_vs_short": flat}
     for r in rows:
         print(
             f"{r['tokens']:>5} tokens: {1e6 * r['postprocess_s_per_token']:7.1f} us/token after "
             f"the forward (forward: {1e3 * r['run_s_per_token']:.2f} ms/token)"
         )
-    print(
-        f"SUMMARY streaming: per-token cost at {lengths[1]} tokens = {flat:.2f}x that at "
-        f"{lengths[0]} (goal 0.8-1.2); re-decoding the whole output instead would cost "
-        f"{naive[lengths[1]] / naive[lengths[0]]:.1f}x more per token at {lengths[1]}; "
-        f"{args.threads} thread(s)"
+    summary = (
+        f"per-token cost at {lengths[1]} tokens = {flat:.2f}x that at {lengths[0]} (goal "
+        f"0.8-1.2); re-decoding the whole output instead would cost "
+        f"{naive[lengths[1]] / naive[lengths[0]]:.1f}x more per token at {lengths[1]}"
     )
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    out = {"rows": rows, "naive_decode_s": naive, "ratio_long_vs_short": flat}
+    return run.finish(out, summary)
 
 
 if __name__ == "__main__":

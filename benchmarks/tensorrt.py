@@ -91,6 +91,40 @@ def compare_backends(
     return {"profile": profile, "rows": rows, "errors": errors, "gpu": torch.cuda.get_device_name()}
 
 
+def multi_stream_ratio(
+    model: nn.Module, requests: int = 8, seq: int = 1, streams: int = 2, repeats: int = 20
+) -> float:
+    """GPU: the time of `requests` independent forwards ([1, seq] token ids each) issued
+    round-robin on `streams` CUDA streams, over the same forwards on one stream (A/B
+    interleaved, median of paired ratios). Article B's "multi-stream execution", measured
+    with torch's streams rather than inside a TensorRT engine: below 1.0 only where one
+    request's kernels leave the GPU idle and the host issues the next ones fast enough."""
+    require_cuda()
+    m = copy.deepcopy(model).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    ids = [torch.randint(vocab, (1, seq), generator=g).cuda() for _ in range(requests)]
+    side = [torch.cuda.Stream() for _ in range(streams)]
+
+    def one_stream() -> None:
+        for x in ids:
+            m(x)
+
+    def many_streams() -> None:
+        main = torch.cuda.current_stream()
+        for i, x in enumerate(ids):
+            stream = side[i % streams]
+            stream.wait_stream(main)  # the ids were written on the main stream
+            with torch.cuda.stream(stream):
+                m(x)
+        for stream in side:
+            main.wait_stream(stream)
+
+    with torch.inference_mode():
+        fns = {"one": one_stream, "many": many_streams}
+        return time_ratios(fns, "one", repeats=repeats, warmup=3)["many"]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import argparse
     import json

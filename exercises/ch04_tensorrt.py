@@ -8,8 +8,10 @@ pieces yourself:
 
     fake_quantize_int8       quantize and dequantize: int8's error, seen in fp32
     percentile_scale         the scale whose threshold is a percentile of |x|
-    kl_threshold             TensorRT's entropy calibration on a histogram of |x|
+    kl_threshold             TensorRT's (legacy) entropy calibration on a histogram of |x|
     calibrate_linear_inputs  forward hooks on a real model: one scale per nn.Linear input
+    qdq_linear_onnx          explicit quantization: a linear as an ONNX Q/DQ graph, the
+                             form TensorRT 10+ takes INT8 in
 
 Replace each `raise NotImplementedError(...)` with your code, in plain torch. Grade with
 
@@ -21,8 +23,13 @@ and one exercise with `-k "ch04 and percentile"`. The answers are in
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import onnx
 
 QMAX = 127
 
@@ -70,7 +77,11 @@ def percentile_scale(x: torch.Tensor, percentile: float = 99.99) -> float:
 
 
 def kl_threshold(hist: torch.Tensor, bin_width: float, levels: int = 128) -> float:
-    """TensorRT's entropy calibration: the threshold that loses the least information.
+    """TensorRT's (legacy) entropy calibration: the threshold that loses the least information.
+
+    (TensorRT's implicit calibrators, this one included, are deprecated since TensorRT 10:
+    the threshold is now chosen before the build and written into the graph as Q/DQ
+    nodes, `qdq_linear_onnx` below. The search itself is unchanged.)
 
     `hist[b]` counts the |x| values in [b * bin_width, (b + 1) * bin_width), over all
     the calibration data (2048 bins from 0 to max |x| in TensorRT). For each candidate
@@ -123,3 +134,37 @@ def calibrate_linear_inputs(
     same tensor, which is fine (three equal entries).
     """
     raise NotImplementedError("ch04: implement calibrate_linear_inputs")
+
+
+def qdq_linear_onnx(weight: torch.Tensor, input_scale: float) -> onnx.ModelProto:
+    """Explicit quantization: y = x @ weight.T as an ONNX graph with QuantizeLinear /
+    DequantizeLinear (Q/DQ) pairs, the form in which TensorRT 10+ takes INT8 (and FP8).
+
+    `weight` is an nn.Linear weight [out, in]. Build, with `onnx.helper`:
+
+        x [batch, in] -> QuantizeLinear(x_scale, x_zero) -> DequantizeLinear -> xq --+
+                                                                                      MatMul -> y
+        w_t [in, out] -> QuantizeLinear(w_scale, w_zero, axis=1) -> DequantizeLinear -+
+
+    - input "x", float32, shape ["batch", in] (a named dim: any batch runs); output "y",
+      float32, ["batch", out];
+    - w_t = weight.T as a float32 initializer (`onnx.numpy_helper.from_array`);
+    - x_scale = `input_scale` (a float32 scalar), one scale for the whole tensor, the
+      value calibration chose;
+    - w_scale: one scale per output channel, max |w| of that channel / 127 (float32, shape
+      [out]); with w_t stored as [in, out] the output channel is axis 1 (the `axis`
+      attribute of both Q and DQ);
+    - zero points: int8 zeros (a scalar for x, [out] for w). Their dtype is what makes the
+      Q output int8: a uint8 zero point would make it uint8. Symmetric int8 has zero 0.
+    - `helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])` (per-axis
+      Q/DQ needs opset 13 or later).
+
+    ONNX Runtime runs it on a CPU (the tests do); TensorRT fuses DQ -> MatMul and runs an
+    int8 GEMM. Inside the range (|x| <= 127 * input_scale) the result equals the fake
+    quantization of `fake_quantize_int8`: Q computes clamp(round(x / scale), -128, 127).
+
+    Pitfalls: the axis (0 would scale the input channels); scales as float32, not float64
+    (ONNX is strict about types); a zero scale for an all-zero channel (floor it at 1e-12).
+    Check your graph with `onnx.checker.check_model(model)`.
+    """
+    raise NotImplementedError("ch04: implement qdq_linear_onnx")

@@ -11,6 +11,7 @@ Here you write the four pieces that make it work:
     prefix_block_hashes   the names of all of a prompt's full blocks
     cow_append            reserve the slot of a sequence's next token, copy-on-write
     gather_kv             read one sequence's K (or V) back through its block table
+    paged_decode          the same read inside a Triton kernel, with an online softmax
 
 Slots are numbered flat: the slot of offset o in physical block b is b * block_size + o.
 Replace each `raise NotImplementedError(...)` with your code. Grade them with
@@ -23,6 +24,7 @@ and one exercise with `-k "ch07 and cow_append"`. The answers are in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -122,3 +124,97 @@ def gather_kv(pool: torch.Tensor, block_table: Sequence[int], length: int) -> to
     the last block may be partly filled: cut at `length`; index with a long tensor.
     """
     raise NotImplementedError("ch07: implement gather_kv")
+
+
+# --- the paged decode kernel (Triton) -----------------------------------------------------
+# Triton compiles for a GPU; without CUDA it runs kernels in its CPU interpreter, which it
+# reads from TRITON_INTERPRET when a kernel is defined, so set it before importing triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [B, H, D] one query per sequence and head
+    k_ptr,  # [num_blocks, BLOCK_SIZE, KV_HEADS, D] the pool
+    v_ptr,
+    tables_ptr,  # [B, max_blocks]
+    lens_ptr,  # [B]
+    out_ptr,  # [B, H, D]
+    max_blocks,
+    scale,
+    H: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    kv_head = head // (H // KV_HEADS)  # grouped-query attention: heads share a kv head
+    d, t = tl.arange(0, D), tl.arange(0, BLOCK_SIZE)
+    q = tl.load(q_ptr + (seq * H + head) * D + d).to(tl.float32)
+    length = tl.load(lens_ptr + seq)
+    m = tl.zeros([], dtype=tl.float32) - float("inf")  # running max of the scores
+    denom = tl.zeros([], dtype=tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros([D], dtype=tl.float32)  # running sum of exp(score - m) * v
+    for i in range(0, tl.cdiv(length, BLOCK_SIZE)):
+        # Your code: the body of the loop over the sequence's blocks (about 12 lines).
+        # 1. the physical block of logical block i: tables_ptr + seq * max_blocks + i
+        # 2. which of its BLOCK_SIZE slots hold tokens (the last block may be partial)
+        # 3. load the block's keys and values of `kv_head` ([BLOCK_SIZE, D], masked)
+        # 4. scores = k . q * scale, -inf where the slot is empty
+        # 5. the online softmax: a new max, rescale l and acc by exp(m - m_new), add
+        #    this block's exp(scores - m_new) and its weighted values
+        pass
+    tl.store(out_ptr + (seq * H + head) * D + d, (acc / denom).to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention read in place through block tables, as a Triton kernel.
+
+    q [B, H, D] holds one new query per sequence and head; `k_pool`, `v_pool` are a layer's
+    pools [num_blocks, block_size, kv_heads, D]; `block_tables` [B, max_blocks] maps each
+    sequence's logical block to a physical one (-1 past its end); `context_lens` [B] counts
+    each sequence's cached tokens. Returns softmax(q . K^T / sqrt(D)) . V over each
+    sequence's tokens: [B, H, D], in q's dtype.
+
+    The launcher below is written: one program per (sequence, head). Write the loop body of
+    `_paged_decode_kernel` above: it walks the sequence's blocks one at a time, never
+    holding all the scores at once. The online softmax keeps a running max m, a running
+    sum `denom` of exp(score - m) and an accumulator of exp(score - m) * v; when a block raises
+    the max to m_new, what was summed so far is rescaled by exp(m - m_new). At the end,
+    acc / denom is the attention output.
+
+    Pitfalls: a partial last block (mask the loads, and give empty slots a score of -inf,
+    not 0); query head h reads kv head h // (H // kv_heads); the pool's layout puts the
+    token's slot before its kv head: offset ((block * BLOCK_SIZE + t) * KV_HEADS + kv_head)
+    * D + d. On a CPU the kernel runs in Triton's interpreter (slow, but the same code).
+    Then delete the `raise` line below.
+    """
+    raise NotImplementedError("ch07: implement paged_decode")
+    B, H, D = q.shape
+    _, block_size, kv_heads, _ = k_pool.shape
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(B, H)](
+        q.contiguous(),
+        k_pool.contiguous(),
+        v_pool.contiguous(),
+        block_tables.contiguous(),
+        context_lens.contiguous(),
+        out,
+        block_tables.shape[1],
+        D**-0.5,
+        H=H,
+        KV_HEADS=kv_heads,
+        BLOCK_SIZE=block_size,
+        D=D,
+    )
+    return out

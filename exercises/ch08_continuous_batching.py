@@ -8,6 +8,8 @@ one more token, streamed to its client as text. Here you write, in plain Python:
     simulate           a step-level continuous-batching simulator using that order
     holdback           how much of a stream's text might still become a stop string
     stream_with_stops  streaming token texts to a client, cut at the first stop string
+    schedule_running   the real scheduler's pass over its running sequences, with
+                       preemption, run inside a real engine
 
 Replace each `raise NotImplementedError(...)` with your code. Grade them with
 
@@ -18,6 +20,8 @@ and one exercise with `-k "ch08 and holdback"`. The answers are in
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def admission_order(waiting: list[dict], now: int, aging: float) -> list[str]:
@@ -106,3 +110,33 @@ def stream_with_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], s
     appears first; never send a character twice.
     """
     raise NotImplementedError("ch08: implement stream_with_stops")
+
+
+def schedule_running(scheduler: Any, batch: Any, budget: int, prompts: bool) -> int:
+    """One pass of the engine's scheduler over its running sequences: the method
+    `minillm.engine.scheduler.Scheduler._run_running`, which your function replaces in a
+    real engine. Returns the token budget left.
+
+    A step serves its running sequences in two passes: first the decodes (`prompts` False:
+    sequences with exactly one uncomputed token, the one they sampled last), then the
+    prompts still being prefilled (`prompts` True: more than one uncomputed token). In
+    each pass, take the running sequences of that kind that this step does not already
+    run (`batch.busy()`), oldest first (`scheduler.running` is in admission order), and
+    while the budget lasts:
+
+    - make room: while `scheduler.manager.can_append(seq)` is False, preempt the newest
+      running sequence that is not busy in this step, `scheduler._preempt(victim, batch)`
+      (it frees or swaps the victim's blocks and requeues it). Drop the victim from your
+      queue; if the victim was `seq` itself, `seq` runs in a later step: go on with the
+      next one;
+    - schedule it: n = min(seq.num_uncomputed, budget) tokens (a decode: 1; a prompt: its
+      next chunk); `batch.copies += scheduler.manager.append_slots(seq)` reserves its slots
+      (returning copy-on-write pairs); `batch.items.append(scheduler._item(seq, n))`;
+      budget -= n.
+
+    Pitfalls: re-read `batch.busy()` after each preemption (the batch grew); preempt from
+    the newest end, never a sequence already in this step's batch; a preempted sequence
+    must not also be scheduled. The tests run a whole engine on a pool too small for its
+    requests with your pass in place and compare every token with the engine's own.
+    """
+    raise NotImplementedError("ch08: implement schedule_running")

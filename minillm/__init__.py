@@ -16,6 +16,7 @@ The package is layered; each folder imports only from the ones listed before it:
 `tests/test_layers.py` checks that order.
 """
 
+from minillm._version import __version__
 from minillm.engine import LLM
 from minillm.generation import SamplingParams, generate, generate_naive
 from minillm.model import (
@@ -30,6 +31,7 @@ from minillm.model import (
 )
 
 __all__ = [
+    "__version__",
     "LLM",
     "BUNDLED_DIR",
     "BUNDLED_DRAFT_DIR",
@@ -43,4 +45,3 @@ __all__ = [
     "load_tokenizer",
     "save_model",
 ]
-__version__ = "0.1.0"

@@ -12,8 +12,11 @@ if TYPE_CHECKING:
 
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm import load_model, load_tokenizer
+    from minillm.model.layout import decode_layout
 
     model = load_model(args.model, device=args.device or "auto")  # auto: CUDA if present
+    if model.lm_head.weight.device.type == "cpu":  # 1.2-1.3x faster CPU decode (chapter 02)
+        decode_layout(model)
     return model, load_tokenizer(args.model)
 
 
@@ -128,6 +131,9 @@ def _serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
+        chat_template=args.chat_template,
+        max_body_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -194,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks", type=int, default=None, help="KV blocks (default: all full-length)"
     )
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    srv.add_argument(
+        "--chat-template", default=None, help="a Jinja file used instead of the model's own"
+    )
+    srv.add_argument(
+        "--max-request-bytes", type=int, default=2 * 2**20, help="larger bodies get 413"
+    )
+    srv.add_argument(
+        "--shutdown-timeout", type=float, default=5.0, help="seconds to drain on SIGTERM"
+    )
     srv.set_defaults(func=_serve)
 
     from minillm.bench import add_arguments as bench_arguments

@@ -1,11 +1,17 @@
-"""Chapter 04 reference answers: INT8 calibration, written from scratch (no minillm)."""
+"""Chapter 04 reference answers: INT8 calibration and an explicit Q/DQ graph, written from
+scratch (no minillm)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import onnx
 
 QMAX = 127
 
@@ -71,3 +77,36 @@ def calibrate_linear_inputs(
         for h in handles:
             h.remove()
     return {name: percentile_scale(torch.cat(xs), percentile) for name, xs in seen.items()}
+
+
+def qdq_linear_onnx(weight: torch.Tensor, input_scale: float) -> onnx.ModelProto:
+    """x @ weight.T with a Q/DQ pair on the input (per tensor) and on the weight (per
+    output channel): the explicitly quantized linear TensorRT 10+ builds INT8 from."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w_t = weight.detach().float().t().contiguous().numpy()  # [in, out]
+    n_in, n_out = w_t.shape
+    w_scale = (np.maximum(np.abs(w_t).max(axis=0), 1e-12) / 127).astype(np.float32)
+    constants = {
+        "w_t": w_t,
+        "x_scale": np.array(input_scale, dtype=np.float32),
+        "x_zero": np.array(0, dtype=np.int8),  # int8 zero point: the Q output is int8
+        "w_scale": w_scale,
+        "w_zero": np.zeros(n_out, dtype=np.int8),
+    }
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["x_q"]),
+        helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero"], ["x_dq"]),
+        # axis 1 of [in, out] is the output channel: one scale per column of w_t
+        helper.make_node("QuantizeLinear", ["w_t", "w_scale", "w_zero"], ["w_q"], axis=1),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w_dq"], axis=1),
+        helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "qdq_linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n_in])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n_out])],
+        [numpy_helper.from_array(v, name) for name, v in constants.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -1,10 +1,13 @@
 """Chapter 08 answers: the reference for `exercises/ch08_continuous_batching.py`.
 
 Written from scratch in plain Python (no minillm import): the tests run them on fixed
-traces and compare the stream functions with `minillm.engine`.
+traces, compare the stream functions with `minillm.engine`, and run the engine with
+`schedule_running` in place of its own pass.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def admission_order(waiting: list[dict], now: int, aging: float) -> list[str]:
@@ -68,3 +71,25 @@ def stream_with_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], s
         sent = max(sent, safe)
     chunks[-1:] = [chunks[-1] + text[sent:]] if chunks else []
     return chunks, "length"
+
+
+def schedule_running(scheduler: Any, batch: Any, budget: int, prompts: bool) -> int:
+    """One pass of the engine's scheduler over its running sequences; the budget left."""
+    busy = batch.busy()
+    queue = [s for s in scheduler.running if (s.num_uncomputed > 1) == prompts and s not in busy]
+    while queue and budget > 0:
+        seq = queue.pop(0)  # oldest admission first
+        while not scheduler.manager.can_append(seq):
+            busy = batch.busy()  # never preempt what this step already runs
+            victim = [s for s in scheduler.running if s not in busy][-1]  # the newest
+            scheduler._preempt(victim, batch)
+            if victim in queue:
+                queue.remove(victim)
+            if victim is seq:  # it gave its own blocks back: it waits for a later step
+                break
+        else:
+            n = min(seq.num_uncomputed, budget)
+            batch.copies += scheduler.manager.append_slots(seq)  # copy-on-write pairs
+            batch.items.append(scheduler._item(seq, n))
+            budget -= n
+    return budget

@@ -1,9 +1,12 @@
 """Fixtures shared by the package tests."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from minillm import load_model, load_tokenizer
+from minillm.model import ModelConfig, Transformer
 
 # Tiny models on a shared 2-core machine: a second intra-op thread costs more in waiting
 # than it saves (4x slower under load, measured), and timings are not what tests check.
@@ -36,3 +39,33 @@ def smollm2_tokenizer():
 def prompts():
     tok = load_tokenizer()
     return [tok.encode(p) for p in PROMPTS]
+
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention, as every real model here has
+    max_position_embeddings=128,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Callable[..., ModelConfig]:
+    """A random-weight model's config small enough for any test: `tiny_config()` gives the
+    course's default tiny shape (2 layers, width 64, 4 heads over 2 kv heads), and keyword
+    arguments change what a test needs (`tiny_config(eos_token_id=3)`)."""
+    return lambda **overrides: ModelConfig(**(TINY | overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config) -> Callable[..., Transformer]:
+    """`tiny_model(**overrides)`: a seeded random Transformer of `tiny_config(**overrides)`."""
+
+    def build(seed: int = 0, **overrides) -> Transformer:
+        torch.manual_seed(seed)
+        return Transformer(tiny_config(**overrides)).eval()
+
+    return build

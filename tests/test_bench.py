@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib
 import pytest
 import torch
-from test_server import free_port, running  # a server on a loopback port, in a thread
+from serving import CHATML, free_port, running  # a server on a loopback port, in a thread
 
 from minillm import load_tokenizer
 from minillm.bench import (
@@ -145,7 +145,8 @@ def test_openai_backend_against_a_minillm_server(model):
     from minillm.engine import Engine
     from minillm.serving.api_server import create_app
 
-    app = create_app(Engine(model, load_tokenizer(), max_num_seqs=4), "bundled")
+    # the bundled model has no chat template: the server is given one (serve --chat-template)
+    app = create_app(Engine(model, load_tokenizer(), max_num_seqs=4), "bundled", CHATML)
     with running(app) as url:
         result = run_bench(
             [f"openai:{url}", f"openai-text:{url}", f"openai-chat:{url}/v1"],

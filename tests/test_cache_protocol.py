@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minillm.cache import KVCache
-from minillm.model import ModelConfig, Transformer
+from minillm.model import Transformer
 from minillm.model.transformer import rope_cos_sin
 
 
@@ -25,15 +25,13 @@ class OnlyAttention:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
-    return Transformer(cfg).eval()
+def tiny(tiny_model) -> Transformer:
+    return tiny_model(num_hidden_layers=3)
 
 
 @torch.inference_mode()
 def test_the_model_needs_nothing_but_attention(tiny):
-    ids = torch.randint(0, 64, (2, 9))
+    ids = torch.randint(0, tiny.config.vocab_size, (2, 9))
     cache = OnlyAttention(KVCache(tiny.config, 2, 16))
     prompt = tiny(ids[:, :6], cache=cache)
     steps = [tiny(ids[:, t : t + 1], torch.full((2, 1), t), cache=cache) for t in (6, 7, 8)]

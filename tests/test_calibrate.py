@@ -16,6 +16,7 @@ from minillm.quant.calibrate import (
     fake_quantize,
     fake_quantize_model,
     histogram_stats,
+    kl_curve,
     max_threshold,
     percentile_threshold,
     threshold,
@@ -63,6 +64,21 @@ def test_entropy_does_not_clip_a_distribution_without_tail():
     x = torch.rand(200_000, generator=torch.Generator().manual_seed(1)) * 2 - 1
     s = histogram_stats(x)
     assert entropy_threshold(s) > 0.9 * s.absmax
+
+
+def test_the_kl_curve_is_what_entropy_minimises(gaussian_with_outliers):
+    """The curve the notebook plots: one KL per candidate cut, its minimum the threshold."""
+    s = histogram_stats(gaussian_with_outliers)
+    thresholds, kl = kl_curve(s)
+    assert len(thresholds) == len(kl) == 2048 - 128 + 1
+    assert thresholds[0] == pytest.approx(128 * s.bin_width)
+    assert thresholds[-1] == pytest.approx(s.absmax)
+    assert entropy_threshold(s) == thresholds[kl.argmin()]
+    # The smallest cut clips part of the gaussian and loses more than the best one, which
+    # sits between the bulk and the outliers.
+    assert kl[0] > 2 * kl.min() and 3.0 < thresholds[kl.argmin()] < 25.0
+    with pytest.raises(ValueError, match="at least 128"):
+        kl_curve(histogram_stats(gaussian_with_outliers, bins=64))
 
 
 def test_unknown_method_is_a_clear_error(gaussian_with_outliers):

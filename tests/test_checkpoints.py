@@ -7,13 +7,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minillm import load_model, save_model
-from minillm.model import ModelConfig, Transformer
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    save_model(Transformer(cfg), tmp_path)
+def checkpoint(tmp_path, tiny_model):
+    save_model(tiny_model(), tmp_path)
     return tmp_path
 
 
@@ -47,7 +45,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes(checkpoint):
     cfg["intermediate_size"] = 80
     (checkpoint / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ValueError, match=r"model.layers.0.mlp.down_proj.weight.*\(32, 64\).*\(32, 80\)"
+        ValueError, match=r"model.layers.0.mlp.down_proj.weight.*\(64, 128\).*\(64, 80\)"
     ):
         load_model(checkpoint)
 
@@ -91,7 +89,7 @@ def test_hub_id_downloads_only_config_tokenizer_and_safetensors(checkpoint, monk
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
     model = load_model("someorg/tiny-llama")
     assert calls == [("someorg/tiny-llama", ["*.json", "*.safetensors"])]
-    assert model.config.hidden_size == 32
+    assert model.config.hidden_size == 64
 
 
 def test_unreachable_hub_gives_an_error_that_names_the_fix(monkeypatch):

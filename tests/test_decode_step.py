@@ -17,18 +17,12 @@ from minillm.generation.static import (
     explain_step,
     naive_decode_step,
 )
-from minillm.model import ModelConfig, Transformer
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(tiny_model):
     """2 layers, dim 64: capture and compile take the least time."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return Transformer(cfg).eval()
+    return tiny_model()
 
 
 @pytest.fixture(autouse=True)

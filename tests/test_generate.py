@@ -3,21 +3,12 @@
 import pytest
 import torch
 
-from minillm import ModelConfig, SamplingParams, Transformer, generate_naive
+from minillm import SamplingParams, generate_naive
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        eos_token_id=3,
-    )
-    return Transformer(cfg).eval()
+def model(tiny_model):
+    return tiny_model(max_position_embeddings=64, eos_token_id=3)
 
 
 def test_greedy_equals_argmax_of_full_forward(model):

@@ -1,16 +1,17 @@
-"""GGUF export (always) and llama.cpp parity (only with llama-cpp-python installed): on the
-bundled model exported by minillm, and on SmolLM2's own Q4_1 file that minillm reads.
+"""GGUF export (always) and llama.cpp parity (only with llama.cpp present): on the bundled
+model exported by minillm, and on SmolLM2's own Q4_1 file that minillm reads.
 
 The `llama_cpp` tests need `pip install "llama-cpp-python[server]==0.3.36"` (it compiles
-llama.cpp); without it they skip, so the default test path never needs it. Run them
-alone with `pytest -m llama_cpp tests/test_llama_cpp.py`.
+llama.cpp) or, for the `llama-server --parallel` test, the C++ server built by
+`python -m benchmarks.llama_server`; without them they skip, so the default test path
+(and CI) never builds llama.cpp. Run them alone with `pytest -m llama_cpp
+tests/test_llama_cpp.py`.
 """
 
 import importlib.util
 import json
 import shutil
 import socket
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 import torch
 from helpers import SMOLLM2_CONVERSATIONS, SMOLLM2_TEXTS, SPACE_BEFORE_DIGIT, greedy
 
+from benchmarks import llama_server
 from minillm import SamplingParams, generate, load_tokenizer
 from minillm.export.gguf import export_gguf
 from minillm.model import BUNDLED_DIR
@@ -30,6 +32,10 @@ HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 requires_llama_cpp = pytest.mark.skipif(
     not HAVE_LLAMA_CPP,
     reason='llama-cpp-python not installed: pip install "llama-cpp-python[server]==0.3.36"',
+)
+requires_llama_server = pytest.mark.skipif(
+    llama_server.find_binary() is None,
+    reason=f"llama-server not built: {llama_server.BUILD_COMMAND} (about 12 min, opt-in)",
 )
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
@@ -163,17 +169,13 @@ def test_llama_cpp_logits_and_greedy_match(llama, model, prompts):
 def test_llama_cpp_server_serves_the_same_text(gguf_path, model, prompts):
     import httpx
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_llama_cpp", Path(__file__).parents[1] / "benchmarks" / "llama_cpp.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    from benchmarks import llama_cpp as bench
+
     tok = load_tokenizer()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = bench.start_llama_server(gguf_path, port)
+    proc = bench.start_llama_cpp_python(gguf_path, port)
     try:
         body = {"prompt": tok.decode(prompts[0]), "max_tokens": 16, "temperature": 0}
         body["repeat_penalty"] = 1.0  # the server's default, 1.1, is not greedy
@@ -263,3 +265,28 @@ def test_llama_cpp_on_the_q4_1_file_is_close_but_not_the_same_computation(
         ours = smollm2(torch.tensor([ids]))[0].numpy()
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() > 0.9  # measured 0.975
     assert np.abs(theirs - ours).max() > 0.1
+
+
+@pytest.mark.llama_cpp
+@requires_llama_server
+def test_llama_server_parallel_batches_the_same_greedy_text(gguf_path, model, prompts):
+    """llama.cpp's C++ server with 4 slots, sent 4 prompts at once (so it decodes them in one
+    batch, the continuous batching minillm's engine does), returns minillm's greedy texts."""
+    from benchmarks import llama_cpp as bench
+    from benchmarks import serving
+
+    tok = load_tokenizer()
+    texts = [tok.decode(p) for p in prompts] + ["And God said, Let there be light"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = [tok.decode(ids) for ids in generate(model, [tok.encode(t) for t in texts], params)]
+    port = serving.free_port()
+    proc = llama_server.start(gguf_path, port, parallel=4)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        extra = bench.GREEDY["llama-server"]
+        assert bench.greedy_texts(url, texts, 24, extra, parallel=True) == want
+        ids = [tok.encode(t) for t in texts]  # token-id prompts, as the benchmark sends
+        assert bench.greedy_texts(url, ids, 24, extra, parallel=True) == want
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

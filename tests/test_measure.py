@@ -209,4 +209,4 @@ def test_roofline_takes_the_slower_of_arithmetic_and_memory():
 
 def test_measure_roofline_returns_positive_ceilings():
     roof = measure_roofline(matmul_size=128, copy_bytes=2**20, repeats=1)
-    assert roof.flops_per_s > 0 and roof.bytes_per_s > 0
+    assert roof.flops_per_s > 0 and roof.bytes_per_s > 0 and roof.read_bytes_per_s > 0

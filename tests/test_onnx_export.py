@@ -6,10 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("onnxruntime")
-pytest.importorskip("onnxscript")
-
-from minillm import SamplingParams, generate  # noqa: E402
+from minillm import SamplingParams, generate
 from minillm.export.onnx import (
     UnsupportedOpError,
     export_decoder_step,
@@ -24,8 +21,7 @@ from minillm.export.onnx_runtime import (
     ort_session,
     quantize_int8,
 )
-from minillm.generation.cached import eager_decode_step, prefill  # noqa: E402
-from minillm.model import ModelConfig, Transformer  # noqa: E402
+from minillm.generation.cached import eager_decode_step, prefill
 
 TOL = 1e-4
 
@@ -140,12 +136,10 @@ def test_decoder_refuses_bad_input(forward_path, decoder):
         decoder.generate([[1], []], SamplingParams(temperature=0, max_tokens=4))
 
 
-def test_examples_of_size_one_still_export_dynamic_axes(onnx_dir):
+def test_examples_of_size_one_still_export_dynamic_axes(onnx_dir, tiny_model):
     """torch 2.13 keeps a size-1 example axis dynamic (older versions froze it); if a
     later version freezes it again, check_onnx inside export_* raises FrozenAxisError."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    tiny = Transformer(cfg).eval()
+    tiny = tiny_model(num_hidden_layers=1)
     one = torch.zeros(1, 1, dtype=torch.long)
     fwd = export_forward(tiny, onnx_dir / "tiny.onnx", example_ids=one)
     ids = torch.randint(0, 64, (3, 5))

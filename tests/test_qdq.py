@@ -4,6 +4,7 @@ run on ONNX Runtime's CPU provider, against the course's own fake quantization
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -14,7 +15,13 @@ pytest.importorskip("onnxscript")
 from minillm.export.onnx import export_module  # noqa: E402
 from minillm.export.onnx_checks import op_counts  # noqa: E402
 from minillm.export.onnx_runtime import ort_logits_fn, ort_session  # noqa: E402
-from minillm.export.qdq import QDQLinear, export_qdq  # noqa: E402
+from minillm.export.qdq import (  # noqa: E402
+    QDQLinear,
+    activation_scales,
+    describe_gemm_inputs,
+    export_qdq,
+    to_fp8,
+)
 from minillm.quant.calibrate import (  # noqa: E402
     FakeQuantLinear,
     collect_stats,
@@ -62,3 +69,51 @@ def test_qdq_model_on_ort_is_close_to_our_fake_quant(model, tmp_path, method) ->
         got = ort_logits_fn(ort_session(path, level))(ids)
         assert (got - ref).norm() < 0.5 * (ref - fp32).norm(), level
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, level
+
+
+def test_the_graph_holds_our_scales_and_shows_the_qdq_pattern(model, tmp_path) -> None:
+    """What the notebook prints: each activation tensor's scale is in the graph as we
+    calibrated it (float32), and a GEMM's inputs are Q -> DQ on both sides."""
+    import onnx
+
+    g = torch.Generator().manual_seed(2)
+    stats = collect_stats(model, [torch.randint(1, 4096, (2, 32), generator=g)], bins=256)
+    scales = compute_scales(stats, "percentile", 99.0)
+    proto = onnx.load(export_qdq(model, scales, tmp_path / "qdq.onnx"))
+    per_tensor = {id(stats[name]): scale for name, scale in scales.items()}
+    ours = sorted(np.float32(s).item() for s in per_tensor.values())
+    assert sorted(activation_scales(proto)) == ours
+    lines = describe_gemm_inputs(proto, "/model/layers.0/self_attn/q_proj/MatMul")
+    kinds = [line.split()[1] for line in lines[1:]]
+    assert kinds[:2] == kinds[4:6] == ["DequantizeLinear", "QuantizeLinear"]
+    assert kinds[3] == "Transpose" and "per tensor" in lines[1] and "per output channel" in lines[5]
+    assert lines[-1].endswith("q_proj.weight [128, 128] (fp32)")
+    with pytest.raises(KeyError, match="MatMul nodes are named like"):
+        describe_gemm_inputs(proto, "q_proj")
+
+
+def test_the_fp8_graph_is_our_fp8_fake_quant(tmp_path) -> None:
+    """to_fp8 keeps each threshold and changes the type: one linear on ORT equals
+    minillm.quant.fp8's e4m3 fake quantization (input per tensor, weight per channel)."""
+    import onnx
+
+    from minillm.quant.fp8 import fp8_fake_quant
+
+    g = torch.Generator().manual_seed(3)
+    lin, x = nn.Linear(64, 32, bias=False), torch.randn(8, 64, generator=g) * 4
+    int8 = export_module(
+        QDQLinear(lin, float(x.abs().max()) / 127).requires_grad_(False),
+        (x,),
+        tmp_path / "int8.onnx",
+        ["x"],
+        ["y"],
+        dynamo=False,
+    )
+    path = tmp_path / "fp8.onnx"
+    onnx.save(to_fp8(onnx.load(int8)), path)
+    got = torch.from_numpy(ort_session(path).run(None, {"x": x.numpy()})[0])
+    with torch.no_grad():
+        ref = fp8_fake_quant(x, "e4m3") @ fp8_fake_quant(lin.weight, "e4m3", per_row=True).T
+        int8_out = torch.from_numpy(ort_session(int8).run(None, {"x": x.numpy()})[0])
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, int8_out, atol=1e-3), "still int8: the type did not change"

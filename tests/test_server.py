@@ -3,56 +3,28 @@ port: same greedy text as the offline API, streaming, bad input (HTTP 400, the s
 keeps serving), metrics, and a client disconnect that frees the request's blocks."""
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from serving import CHATML, free_port, running
 
 from minillm import load_tokenizer
 from minillm.engine import Engine, SamplingParams
-from minillm.model import BUNDLED_DIR
 from minillm.serving.api_server import build_app, create_app
-from minillm.serving.protocol import default_chat_template, load_chat_template
 
 NAME = "minillm-bundled"
 PROMPTS = ["In the beginning", "And the LORD said unto Moses", "Blessed are"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running(app):
-    """Serve `app` on a free loopback port in a thread; yields the base url."""
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server(model):
-    """(base url, engine): a server on its own thread, stopped after the module."""
+    """(base url, engine): a server on its own thread (the bundled model with a ChatML
+    template given, as `serve --chat-template` does), stopped after the module."""
     engine = Engine(model, load_tokenizer(), max_num_seqs=8)
-    with running(create_app(engine, NAME)) as url:
+    with running(create_app(engine, NAME, chat_template=CHATML)) as url:
         yield url, engine
 
 
@@ -122,7 +94,6 @@ BAD = [
     ({"prompt": "Hi", "top_p": 0}, "top_p"),
     ({"prompt": "Hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "Hi", "n": 100}, "n=100"),
-    ({"prompt": "Hi", "model": "gpt-4"}, "not served"),
     ({"prompt": "Hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": ""}, "empty"),
     ({}, "prompt"),
@@ -135,6 +106,11 @@ def test_bad_completion_requests_get_400_json(server, body, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert says in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_model_not_served_here_is_404(server, client):
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        complete(client, "Hi", model="gpt-4")
 
 
 def test_bad_chat_and_malformed_json_get_400_and_the_server_keeps_serving(server, client):
@@ -188,23 +164,31 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatc
     assert metric(server, "kv_blocks_used") == 0 and metric(server, "num_requests_running") == 0
 
 
-def test_chat_template_from_the_tokenizer_config_or_the_documented_default(model):
-    tok = load_tokenizer()
-    assert load_chat_template(BUNDLED_DIR) is None  # the bundled model: plain text
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert default_chat_template(messages) == "system: Be brief.\nuser: Hi\nassistant:"
-    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
-    with running(create_app(Engine(model, tok, max_num_seqs=2), NAME, template)) as url:
+def test_chat_without_a_template_is_a_400_that_says_how(model):
+    with running(create_app(Engine(model, load_tokenizer(), max_num_seqs=2), NAME)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
-    rendered = "<system>Be brief.<user>Hi<assistant>"
-    assert r.usage.prompt_tokens == len(tok.encode(rendered))
+        with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
+            client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+        assert complete(client, "Hi").choices[0].text  # completions still serve
+
+
+def test_chat_prompt_is_the_template_with_the_real_special_tokens(server, client):
+    tok = load_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    want = tok.apply_chat_template(messages, chat_template=CHATML)
+    assert r.usage.prompt_tokens == len(want)
+    ids = httpx.post(server[0] + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert ids == want
 
 
 def test_build_app_serves_the_bundled_model_by_default():
     app = build_app(max_num_seqs=2)
     paths = {route.path for route in app.routes}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics"} <= paths
+    assert {"/tokenize", "/detokenize", "/version", "/health"} <= paths
 
 
 def test_client_that_gives_up_on_a_non_streaming_request_frees_its_blocks(server, monkeypatch):

@@ -120,3 +120,58 @@ def test_verify_rejects_inconsistent_inputs_and_mismatched_vocabularies(model):
         speculative_generate(model, other, [1, 2], greedy)
     with pytest.raises(ValueError, match="k=0"):
         speculative_generate(model, model, [1, 2], greedy, k=0)
+
+
+# ----------------------------------------------------------------- prompt lookup (n-gram)
+
+
+def test_ngram_proposal_takes_the_longest_suffix_and_its_earliest_occurrence():
+    from minillm.generation.lookup import ngram_proposal
+
+    # vLLM's docstring example: [4, 2, 3] never occurred before; [2, 3] did, at 1.
+    assert ngram_proposal([1, 2, 3, 4, 2, 3], k=4, ngram_max=3, ngram_min=2) == [4, 2, 3]
+    assert ngram_proposal([7, 1, 9, 5, 1, 8, 1], k=2, ngram_max=3) == [9, 5]  # earliest "1"
+    assert ngram_proposal([5, 6, 7, 5, 6], k=1, ngram_max=2) == [7]
+    assert ngram_proposal([1, 2, 3], k=4) == []  # nothing repeats
+    assert ngram_proposal([1, 2, 1], k=4, ngram_min=2) == []  # only a 1-gram repeats
+    assert ngram_proposal([3], k=4) == []
+
+
+def test_prompt_lookup_equals_plain_greedy_and_accepts_a_quoted_prompt(model, prompts):
+    from minillm.generation.lookup import prompt_lookup_generate
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for prompt in prompts:
+        for k in (1, 4):
+            tokens, stats = prompt_lookup_generate(model, prompt, params, k=k)
+            assert tokens == generate(model, [prompt], params)[0]
+            assert stats.accepted + stats.rounds == len(tokens)
+    # A prompt that holds the continuation: repeat the model's own greedy text twice, so
+    # the third copy is a lookup away; most proposals are kept, far fewer target forwards.
+    text = generate(model, [prompts[1]], SamplingParams(temperature=0, max_tokens=30))[0]
+    prompt = prompts[1] + text + prompts[1] + text + prompts[1]
+    plain = generate(model, [prompt], params)[0]
+    tokens, stats = prompt_lookup_generate(model, prompt, params, k=4)
+    assert tokens == plain
+    assert stats.acceptance_rate > 0.5 and stats.rounds < len(tokens) / 2
+
+
+def test_prompt_lookup_sampling_follows_the_target_distribution():
+    """One-hot proposals through the rejection rule: sampled tokens still follow p."""
+    from minillm.generation.lookup import prompt_lookup_generate
+
+    vocab, n = 6, 2000
+    target = tiny(vocab, 16, 1, seed=1)
+    prompt = [1, 2, 3, 1, 2]  # the lookup proposes 3, what followed the earlier [1, 2]
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=0)
+    exact = target_distribution(target, prompt, params, vocab)
+    counts = torch.zeros(vocab, vocab)
+    accepted = 0
+    for seed in range(n):
+        params.seed = seed
+        (a, b), stats = prompt_lookup_generate(target, prompt, params, k=2)
+        counts[a, b] += 1
+        accepted += stats.accepted
+    assert 0 < accepted < n  # both branches of the rule ran: some kept, some rejected
+    statistic, critical = chi_square(counts, exact)
+    assert statistic < critical, "prompt-lookup sampling does not follow the target"

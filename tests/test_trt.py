@@ -22,24 +22,9 @@ from minillm.export.tensorrt import (
     trt_compile_settings,
     trt_input_spec,
 )
-from minillm.model import ModelConfig, Transformer
 
 STATUS = gpu_status()
 needs_cpu_only = pytest.mark.skipif(STATUS["cuda"], reason="checks the error seen without CUDA")
-
-
-def tiny_model() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return Transformer(cfg).eval()
 
 
 def test_profile_checks_its_shapes():
@@ -105,7 +90,7 @@ def test_ort_provider_lists():
         ort_providers("rocm")
 
 
-def test_ids_to_logits_is_the_model():
+def test_ids_to_logits_is_the_model(tiny_model):
     model = tiny_model()
     ids = torch.randint(128, (2, 9))
     with torch.inference_mode():
@@ -113,7 +98,7 @@ def test_ids_to_logits_is_the_model():
 
 
 @needs_cpu_only
-def test_without_cuda_engines_say_what_is_missing(tmp_path):
+def test_without_cuda_engines_say_what_is_missing(tmp_path, tiny_model):
     with pytest.raises(RuntimeError, match="CUDA"):
         compile_tensorrt(tiny_model(), llm_profile(64))
     with pytest.raises(RuntimeError, match="CUDA"):
@@ -125,7 +110,7 @@ def test_without_cuda_engines_say_what_is_missing(tmp_path):
 @pytest.mark.skipif(
     not (STATUS["cuda"] and STATUS["torch_tensorrt"]), reason="needs CUDA and torch_tensorrt"
 )
-def test_torch_tensorrt_engine_matches_eager_fp16():
+def test_torch_tensorrt_engine_matches_eager_fp16(tiny_model):
     model = tiny_model()
     engine = compile_tensorrt(model, llm_profile(64, max_batch=4))
     ref = model.cuda().half()
@@ -138,7 +123,7 @@ def test_torch_tensorrt_engine_matches_eager_fp16():
 
 
 @pytest.mark.skipif(CUDA_EP not in STATUS["ort_providers"], reason="needs onnxruntime-gpu")
-def test_ort_cuda_session_matches_eager(tmp_path):
+def test_ort_cuda_session_matches_eager(tmp_path, tiny_model):
     from minillm.export.tensorrt import export_onnx, ort_cuda_fn
 
     model = tiny_model()
@@ -148,7 +133,7 @@ def test_ort_cuda_session_matches_eager(tmp_path):
         assert torch.allclose(fn(ids), model.cuda()(ids), atol=1e-3)
 
 
-def test_the_model_exports_with_the_profile_ranges():
+def test_the_model_exports_with_the_profile_ranges(tiny_model):
     """What torch_tensorrt.compile does first (torch.export with dynamic dims), on CPU."""
     model = tiny_model()
     profile = ShapeProfile((1, 1), (2, 16), (4, 64))

@@ -27,6 +27,8 @@ SERVERS = {  # engines that run as a server: how to start one and point the harn
 }
 ALL = [*IN_PROCESS, *SERVERS]
 OPENAI_PREFIXES = ("openai:", "openai-text:", "openai-chat:")  # token ids, text, chat
+CONTEXT = 2048  # hf-compile's static cache: the longest request (prompt + output) it takes
+POOL_TOKENS = 16384  # the engine's KV pool: e.g. 8 requests of 2048 tokens, 32 of 512
 OPT_IN = {
     "hf-compile": "opt-in (compiling takes tens of seconds to minutes on a CPU): "
     "name it in --backends"
@@ -87,14 +89,14 @@ class HFBackend(Backend):
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, StaticCache
 
-        from minillm.model.weights import BUNDLED_DIR
+        from minillm.model.weights import resolve_model_dir
 
-        path = self.model_path or BUNDLED_DIR
+        path = resolve_model_dir(self.model_path)  # None: bundled; a name such as smollm2
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.model = self.model.to(self.device).eval()
         self.cache = None
         if self.spec == "hf-compile":
-            context = self.model.config.max_position_embeddings
+            context = min(self.model.config.max_position_embeddings, CONTEXT)
             self.cache = StaticCache(config=self.model.config, max_cache_len=context)
             self.model.forward = torch.compile(self.model.forward)
             for n in (2, 3, 4):
@@ -190,7 +192,10 @@ class TensorRTBackend(Backend):
 
 
 class EngineBackend(Backend):
-    """Chapter 08's continuous-batching engine, in process."""
+    """Chapter 08's continuous-batching engine, in process, as `python -m minillm serve
+    --num-blocks 1024` runs it: its KV pool holds `POOL_TOKENS` tokens (the engine's default,
+    32 sequences of the full context, would be 11 GiB of fp32 K/V for SmolLM2's 8k context,
+    allocated up front)."""
 
     concurrent = True
 
@@ -199,7 +204,8 @@ class EngineBackend(Backend):
         from minillm.model.weights import load_model, load_tokenizer
 
         model = load_model(self.model_path, device=self.device)
-        self.engine = Engine(model, load_tokenizer(self.model_path))
+        blocks = POOL_TOKENS // 16  # blocks of 16 tokens
+        self.engine = Engine(model, load_tokenizer(self.model_path), num_blocks=blocks)
 
     def run_all(self, requests: list[Request], concurrency: int, bar: Any) -> list[Trace]:
         from minillm.engine import SamplingParams

@@ -67,6 +67,9 @@ class PagedSequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     swapped: bool = False  # True: block_table holds CPU swap blocks
+    # False: allocate computes every token, cached or not (a request that wants the
+    # log-probabilities of its prompt needs the logits of every prompt position)
+    reads_prefix_cache: bool = True
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -112,11 +115,11 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
+    def _prefix_hits(self, seq: PagedSequence) -> list[int]:
         """Ids of the cached blocks that hold this prompt's first full blocks. The block of
         the last token never counts: its logits must be computed, so it is prefilled."""
-        hits, h, bs = [], None, self.block_size
-        if not self.prefix_cache:
+        hits, h, bs, token_ids = [], None, self.block_size, seq.token_ids
+        if not self.prefix_cache or not seq.reads_prefix_cache:
             return hits
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -129,7 +132,7 @@ class BlockManager:
 
     def can_allocate(self, seq: PagedSequence) -> bool:
         """Whether allocate(seq) would succeed now."""
-        hits = self._prefix_hits(seq.token_ids)
+        hits = self._prefix_hits(seq)
         revived = sum(b in self.evictable for b in hits)  # reused, so no longer evictable
         need = self.blocks_for(len(seq)) - len(hits)
         return need <= self.num_free_blocks - revived
@@ -186,7 +189,7 @@ class BlockManager:
                 f"{self.block_size}; {self.num_free_blocks} free"
             )
         seq.block_hashes = []
-        for block_id in self._prefix_hits(seq.token_ids):
+        for block_id in self._prefix_hits(seq):
             self.evictable.pop(block_id, None)
             block = self.blocks[block_id]
             block.ref_count += 1

@@ -40,10 +40,13 @@ class Detokenizer:
         self.emitted = 0  # characters already sent as deltas
         self.tail = max((len(s) for s in params.stop), default=1) - 1  # holdback window
 
-    def update(self, output_ids: list[int], final: bool = False) -> str | None:
+    def update(
+        self, output_ids: list[int], final: bool = False, check_stops: bool = True
+    ) -> str | None:
         """Add the text of the ids appended since the last call (`final`: also an incomplete
         last character, as a full decode would show it); return the stop string that now
-        ends the text, if any: the text is then cut there."""
+        ends the text, if any (only when `check_stops`: not within min_tokens): the text is
+        then cut there."""
         decode = self.tokenizer.decode
         skip = self.params.skip_special_tokens
         known = decode(output_ids[self.prefix_offset : self.read_offset], skip)
@@ -54,7 +57,7 @@ class Detokenizer:
         start = len(self.text)
         self.text += full[len(known) :]
         hits = []  # (where, stop): a stop can only appear where the new text is
-        for stop in self.params.stop:
+        for stop in self.params.stop if check_stops else ():
             at = self.text.find(stop, max(0, start - len(stop) + 1))
             if at >= 0:
                 hits.append((at, stop))

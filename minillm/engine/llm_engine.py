@@ -5,28 +5,38 @@
     postprocess -> append, detokenize, stop, finish (blocks back to the pool at once)
     emit      -> a vLLM-shaped RequestOutput per request that moved
 
-`add_request` turns a prompt into a sequence (its n - 1 siblings are forked from it when its
-prompt is done, sharing its blocks); `abort` retires a request wherever its sequences are.
-Each sequence is the one owner of its tokens and blocks; the engine owns the requests.
+`add_request` turns a prompt into a sequence (its siblings, up to n or best_of, are forked
+from it when its prompt is done, sharing its blocks); `abort` retires a request wherever its
+sequences are. Each sequence is the one owner of its tokens and blocks; the engine owns the
+requests.
+
+A request that fails inside a step (its forward, its draw, its detokenization) is aborted
+with the error in its last output (`RequestOutput.error`); the other requests of the step go
+on with exactly the tokens they would have had. `check_request` refuses up front what would
+fail later: token ids outside the vocabulary, too many samples or logprobs, too long.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.limits import check_request
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.engine.scheduler import Batch, Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.generation.loop import check_length, finish_reason, stop_ids
+from minillm.generation.loop import finish_reason, stop_ids
 from minillm.generation.sampling import SamplingParams
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -38,10 +48,13 @@ class Request:
     metrics: RequestMetrics
     on_output: Callable[[RequestOutput], None] | None = None
     sent: list[int] = field(default_factory=list)  # token ids already emitted, per sample
+    prompt_logprobs_sent: bool = False
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        done = all(s.is_finished for s in self.seqs)
+        return len(self.seqs) == self.params.num_samples and done
 
 
 @dataclass
@@ -75,8 +88,10 @@ class Engine:
         num_swap_blocks: int | None = None,
         decode_mode: str | None = None,
         kv_cache_dtype: str = "auto",
+        max_logprobs: int = 20,
     ) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_logprobs = max_logprobs  # vLLM's limit on logprobs / prompt_logprobs
         on_gpu = model.lm_head.weight.is_cuda
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
             use_kernel = on_gpu and kv_cache_dtype == "auto"  # the kernel reads unquantized K/V
@@ -139,32 +154,29 @@ class Engine:
         return request_id
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the fix if this request could never run here: empty,
-        past the context, n above max_num_seqs, or more KV blocks than the pool has."""
-        check_length(self.model, len(prompt_ids), params.max_tokens)
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}: "
-                "lower n or start the engine with more sequences"
-            )
-        need = self.manager.blocks_for(len(prompt_ids) + params.max_tokens)
-        if need > self.manager.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {need} KV blocks but the pool has "
-                f"{self.manager.num_blocks}: lower max_tokens or give the engine more blocks"
-            )
+        """Raise ValueError naming the fix if this request could never run here (`limits`)."""
+        check_request(
+            self.model,
+            self.manager,
+            self.scheduler.max_num_seqs,
+            self.max_logprobs,
+            prompt_ids,
+            params,
+        )
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Stop a request now: its sequences leave the queues and free their blocks.
-        Returns its final output (finish_reason "abort"), None if it was not running."""
+        Returns its final output (finish_reason "abort", and `error` if one is given), None
+        if it was not running."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None  # already finished (or never existed): nothing to free
+        request.error = request.error or error
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self.num_aborted += 1
-        return self._emit(request, force=True)
+        return self._emit_safely(request, force=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -177,15 +189,19 @@ class Engine:
         if batch is None:
             return []
         t1 = time.perf_counter()
-        tokens = self.runner.run(batch) if batch.items else []
+        sampled = self.runner.run(batch) if batch.items else []
         t2 = time.perf_counter()
-        moved = self.scheduler.postprocess(batch, tokens, self._stop)
+        moved, failed = self.scheduler.postprocess(batch, sampled, self._stop)
         self.num_prompt_tokens += batch.num_prefill_tokens
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += len(moved)
         if self.trace is not None:
             self.trace.append(self._record(batch, t1, t2))
         self.num_steps += 1
-        outputs = [self._emit(r) for r in dict.fromkeys(self.requests[s.request_id] for s in moved)]
+        outputs = []
+        for seq in failed:  # its whole request goes, with the error; nobody else's
+            outputs.append(self.abort(seq.request_id, f"the engine failed on it: {seq.error}"))
+        moved_requests = [self.requests.get(s.request_id) for s in moved]
+        outputs += [self._emit_safely(r) for r in dict.fromkeys(moved_requests) if r is not None]
         t3 = time.perf_counter()
         for name, dt in (("schedule", t1 - t0), ("run", t2 - t1), ("postprocess", t3 - t2)):
             self.time_in[name] += dt
@@ -205,45 +221,79 @@ class Engine:
             metrics.token_times.append(seq.token_times[-1])
         stops = stop_ids(self.model, seq.params)
         reason = finish_reason(token, seq.num_output_tokens, seq.params, stops)
-        stop_string = seq.detokenizer.update(seq.output_ids, final=reason is not None)
+        stops_count = seq.num_output_tokens > seq.params.min_tokens  # vLLM's min_tokens rule
+        stop_string = seq.detokenizer.update(seq.output_ids, reason is not None, stops_count)
         if reason is None and stop_string is not None:
             return "stop", stop_string
         return reason
 
+    def _emit_safely(self, request: Request, force: bool = False) -> RequestOutput | None:
+        """`_emit`, and if building or delivering the output raises, drop the request: its
+        consumer cannot be told (the delivery is what failed), the others are unaffected."""
+        try:
+            return self._emit(request, force)
+        except Exception:  # one consumer's failure, kept to its request
+            log.exception("emitting request %s failed; dropping it", request.request_id)
+            if self.requests.pop(request.request_id, None) is not None:
+                self.num_aborted += 1
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+            return None
+
     def _emit(self, request: Request, force: bool = False) -> RequestOutput | None:
-        """The request's output for its output_kind (None when final_only and running)."""
+        """The request's output for its output_kind (None when final_only and running).
+        With best_of above n only the finished output is emitted: the n samples with the
+        highest cumulative logprob (vLLM's ranking), renumbered 0..n-1."""
         finished = request.finished or force
         if finished and request.request_id in self.requests:
             del self.requests[request.request_id]
             request.metrics.finished_time = time.perf_counter()
             self.num_finished += 1
-        kind = request.params.output_kind
-        if kind == "final_only" and not finished:
+        params = request.params
+        kind, best_of = params.output_kind, params.num_samples > params.n
+        if (kind == "final_only" or best_of) and not finished:
             return None
         seqs = sorted(request.seqs, key=lambda s: s.index)
-        request.sent += [0] * (len(seqs) - len(request.sent))
+        if best_of:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
+        request.sent += [0] * (params.num_samples - len(request.sent))
         outputs = []
-        for seq in seqs:
-            detok = seq.detokenizer
-            done = seq.is_finished
+        for number, seq in enumerate(seqs):
+            detok, done, sent = seq.detokenizer, seq.is_finished, request.sent[seq.index]
             if kind == "delta":
                 text = detok.delta(done) if detok else ""
-                ids = seq.output_ids[request.sent[seq.index] :]
             else:
-                text = detok.visible_text(done) if detok else ""
-                ids = list(seq.output_ids)
+                text, sent = (detok.visible_text(done) if detok else ""), 0
             request.sent[seq.index] = seq.num_output_tokens
             outputs.append(
-                CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason)
+                CompletionOutput(
+                    number if best_of else seq.index,
+                    text,
+                    seq.output_ids[sent:],
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    seq.logprobs[sent:] if params.logprobs is not None else None,
+                    seq.cumulative_logprob if params.needs_logprobs else None,
+                )
             )
+        first = request.seqs[0]
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and (
+            kind != "delta" or not request.prompt_logprobs_sent
+        ):
+            prompt_logprobs = [None, *first.prompt_logprobs]
+            request.prompt_logprobs_sent = True
         out = RequestOutput(
             request.request_id,
             request.prompt,
-            request.seqs[0].prompt_ids,
+            first.prompt_ids,
             outputs,
             finished,
             request.metrics,
-            request.seqs[0].num_cached_tokens,
+            first.num_cached_tokens,
+            prompt_logprobs,
+            request.error,
         )
         if request.on_output is not None:
             request.on_output(out)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minillm.generation.processors import Logprob
+
+# One position's log-probabilities: the token's own entry first, then the top k (vLLM's).
+PositionLogprobs = dict[int, Logprob]
+
 
 @dataclass
 class CompletionOutput:
@@ -15,6 +20,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # per token of token_ids (params.logprobs)
+    cumulative_logprob: float | None = None  # of all tokens so far (with logprobs or best_of)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -41,3 +48,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Prompt tokens' logprobs (params.prompt_logprobs): None for the first token, then one
+    # entry per token; sent once, with the request's first output.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None  # set when the request failed inside the engine and was aborted

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.sequence import Sequence, Status
+from minillm.generation.processors import Logprob
 
 
 @dataclass
@@ -47,6 +48,20 @@ class Scheduled:
     start: int  # the first token computed in this step (the sequence's computed count then)
     num_tokens: int
     samplers: list[Sequence] = field(default_factory=list)
+    # Set by the model runner: the logprobs of the prompt tokens this share computed (when
+    # the request asked for them), or why running this share failed.
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Sampled:
+    """One sampler's result in a step: its token and, if wanted, the token's logprobs; or
+    the error that stopped this one sequence (its request is aborted, nobody else's)."""
+
+    token: int
+    logprobs: dict[int, Logprob] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -164,7 +179,8 @@ class Scheduler:
         slots = len(self.running) + len(self.swapped)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            width = seq.params.n if seq.params.n > 1 and not seq.num_output_tokens else 1
+            samples = seq.params.num_samples
+            width = samples if samples > 1 and not seq.num_output_tokens else 1
             if slots + width > self.max_num_seqs and (batch.items or self.running):
                 break
             if not self.manager.can_allocate(seq):
@@ -187,8 +203,8 @@ class Scheduler:
         if n < seq.num_uncomputed:
             return item  # a chunk in the middle of the prompt: nothing to sample yet
         item.samplers.append(seq)
-        if seq.params.n > 1 and not seq.num_output_tokens and seq.index == 0:
-            for j in range(1, seq.params.n):
+        if seq.params.num_samples > 1 and not seq.num_output_tokens and seq.index == 0:
+            for j in range(1, seq.params.num_samples):
                 child = seq.fork(j)
                 self.manager.fork(seq, child)
                 child.status = Status.RUNNING
@@ -214,25 +230,46 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def postprocess(
-        self, batch: Batch, tokens: list[int], stop: Callable[[Sequence, int], tuple | None]
-    ) -> list[Sequence]:
+        self, batch: Batch, sampled: list[Sampled], stop: Callable[[Sequence, int], tuple | None]
+    ) -> tuple[list[Sequence], list[Sequence]]:
         """Record a step: mark the computed tokens (which publishes full blocks to the prefix
         cache), append each sampled token, and finish the sequences that `stop(seq, token)`
-        ends (it returns (finish_reason, stop_reason) or None). Returns the sequences that
-        got a token."""
-        sampled, it = [], iter(tokens)
+        ends (it returns (finish_reason, stop_reason) or None). A share or a sampler that
+        failed, or whose `stop` raises, finishes its sequences with "abort" and their
+        `error`, and publishes nothing. Returns (sequences that got a token, that failed)."""
+        moved, failed, it = [], [], iter(sampled)
         for item in batch.items:
+            draws = [next(it) for _ in item.samplers]
+            if item.error is not None:
+                for seq in (item.seq, *item.samplers):
+                    self._fail(seq, item.error, failed)
+                continue
             computed = item.start + item.num_tokens
             for seq in item.samplers or [item.seq]:
                 self.manager.mark_computed(seq, computed)
-            for seq in item.samplers:
-                token = next(it)
-                seq.append(token)
-                sampled.append(seq)
-                reason = stop(seq, token)
+            if item.prompt_logprobs:
+                item.seq.prompt_logprobs += item.prompt_logprobs
+                item.seq.reads_prefix_cache = not item.seq.needs_prompt_logprobs
+            for seq, draw in zip(item.samplers, draws, strict=True):
+                if draw.error is not None:
+                    self._fail(seq, draw.error, failed)
+                    continue
+                seq.append(draw.token, draw.logprobs)
+                try:
+                    reason = stop(seq, draw.token)
+                except Exception as err:  # detokenizing this one sequence failed
+                    self._fail(seq, f"{type(err).__name__}: {err}", failed)
+                    continue
+                moved.append(seq)
                 if reason is not None:
                     self.finish(seq, *reason)
-        return sampled
+        return moved, failed
+
+    def _fail(self, seq: Sequence, error: str, failed: list[Sequence]) -> None:
+        if not seq.is_finished:
+            seq.error = error
+            self.finish(seq, "abort")
+            failed.append(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire a sequence (done or aborted): its blocks go back to the pool at once."""

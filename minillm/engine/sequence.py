@@ -20,6 +20,7 @@ import torch
 
 from minillm.cache.block_manager import PagedSequence
 from minillm.engine.detokenizer import Detokenizer
+from minillm.generation.processors import History, Logprob
 from minillm.generation.sampling import SamplingParams, make_generator
 
 
@@ -50,12 +51,31 @@ class Sequence(PagedSequence):
     generator: torch.Generator | None = None
     detokenizer: Detokenizer | None = None
     token_times: list[float] = field(default_factory=list)  # wall time of each output token
+    # The raw logprobs of each generated token (when params.logprobs is set), their sum, and
+    # those of prompt tokens 1.. (params.prompt_logprobs; token 0 has nothing before it).
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    error: str | None = None  # why this sequence failed inside a step (its request aborts)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
         if self.generator is None:
             seed = None if self.params.seed is None else self.params.seed + self.index
             self.generator = make_generator(seed)
+        # The prompt's logprobs need the logits of every prompt position: no cache hits.
+        self.reads_prefix_cache = not self.needs_prompt_logprobs
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logprobs are still to record (the request's first
+        sequence records them, once: a recomputed prompt is not recorded again)."""
+        want = self.params.prompt_logprobs is not None and self.index == 0
+        return want and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def history(self, stop_ids: set[int]) -> History:
+        """What penalties and min_tokens read (a view, no copy of the tokens)."""
+        return History(self.token_ids, self.num_prompt_tokens, stop_ids)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -78,9 +98,13 @@ class Sequence(PagedSequence):
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, token: int) -> None:
+    def append(self, token: int, logprobs: dict[int, Logprob] | None = None) -> None:
         self.token_ids.append(token)
         self.token_times.append(time.perf_counter())
+        if logprobs is not None:
+            self.cumulative_logprob += logprobs[token].logprob
+            if self.params.logprobs is not None:
+                self.logprobs.append(logprobs)
 
     def fork(self, index: int) -> Sequence:
         """A child sample with the same tokens so far, its own seed and RNG (its blocks are

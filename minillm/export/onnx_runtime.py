@@ -160,7 +160,8 @@ class OrtDecoder:
             positions = positions + 1
             return torch.from_numpy(step_logits[:, -1])
 
-        return sample_loop(torch.from_numpy(logits), params, step, stops, generators)
+        first = torch.from_numpy(logits)
+        return sample_loop(first, params, step, stops, generators, prompts=prompts)
 
 
 def quantize_int8(src: str | Path, dst: str | Path, per_channel: bool = False) -> Path:

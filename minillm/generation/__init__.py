@@ -1,7 +1,9 @@
 """Generation: sampling, the one sampling loop, and the generators built on it: naive
-(chapter 01), cached (02), static-shape compiled (05), paged (07), speculative (10)."""
+(chapter 01), cached (02), static-shape compiled (05), paged (07), speculative with a draft
+model or with prompt lookup (10)."""
 
 from minillm.generation.cached import generate, generate_naive
+from minillm.generation.lookup import prompt_lookup_generate
 from minillm.generation.paged import generate_paged
 from minillm.generation.sampling import SamplingParams
 from minillm.generation.speculative import speculative_generate
@@ -13,5 +15,6 @@ __all__ = [
     "generate_naive",
     "generate_paged",
     "generate_static",
+    "prompt_lookup_generate",
     "speculative_generate",
 ]

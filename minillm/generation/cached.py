@@ -12,7 +12,14 @@ from collections.abc import Callable, Iterable
 import torch
 
 from minillm.cache.contiguous import KVCache
-from minillm.generation.loop import check_length, sample_loop, stop_ids
+from minillm.generation.loop import (
+    check_generate_params,
+    check_length,
+    finish_reason,
+    sample_loop,
+    stop_ids,
+)
+from minillm.generation.processors import History
 from minillm.generation.sampling import SamplingParams, make_generator, sample
 from minillm.model.transformer import Transformer
 
@@ -25,17 +32,19 @@ def generate_naive(
     on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Generated token ids (the prompt excluded); stops on EOS or after max_tokens."""
-    ids = torch.tensor([list(prompt_ids)], device=model.lm_head.weight.device)
+    prompt = list(prompt_ids)
+    ids = torch.tensor([prompt], device=model.lm_head.weight.device)
     check_length(model, ids.shape[1], params.max_tokens)
+    check_generate_params(params)
     generator = make_generator(params.seed, ids.device)
     stops, out = stop_ids(model, params), []
     for _ in range(params.max_tokens):
         logits = model(ids)[:, -1]  # the whole sequence again, every step
-        token = sample(logits, params, generator)
+        token = sample(logits, params, generator, [History(prompt + out, len(prompt), stops)])
         out.append(int(token))
         if on_token is not None:
             on_token(out[-1])
-        if out[-1] in stops:
+        if finish_reason(out[-1], len(out), params, stops) is not None:
             break
         ids = torch.cat([ids, token[:, None]], dim=1)
     return out
@@ -79,8 +88,10 @@ def decode(
     params: SamplingParams,
     step: Callable[[Transformer, KVCache, torch.Tensor, torch.Tensor], torch.Tensor],
     on_token: Callable[[int, int], None] | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> list[list[int]]:
-    """`sample_loop` over a model step(model, cache, tokens [B, 1], positions [B, 1])."""
+    """`sample_loop` over a model step(model, cache, tokens [B, 1], positions [B, 1]);
+    `prompts` for the penalties that read them."""
     generators = [make_generator(params.seed, positions.device) for _ in range(len(positions))]
 
     def next_logits(tokens: torch.Tensor) -> torch.Tensor:
@@ -90,7 +101,7 @@ def decode(
         return logits
 
     stops = stop_ids(model, params)
-    return sample_loop(logits, params, next_logits, stops, generators, on_token)
+    return sample_loop(logits, params, next_logits, stops, generators, on_token, prompts)
 
 
 @torch.inference_mode()
@@ -104,4 +115,4 @@ def generate(
     one prefill forward for all prompts, then one decode forward per new token.
     `on_token(row, token)` is called with each token as it is produced (streaming)."""
     cache, logits, positions = prefill(model, prompts, params.max_tokens)
-    return decode(model, cache, logits, positions, params, eager_decode_step, on_token)
+    return decode(model, cache, logits, positions, params, eager_decode_step, on_token, prompts)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from minillm.generation.processors import History
 from minillm.generation.sampling import SamplingParams, sample
 from minillm.model.transformer import Transformer
 
@@ -38,7 +39,8 @@ def finish_reason(
     token: int, num_generated: int, params: SamplingParams, stops: set[int]
 ) -> tuple[str, int | None] | None:
     """The one stop policy, after a sequence's `num_generated`-th token: ("stop", reason) on
-    a stop token (EOS unless ignored: reason None; a stop_token_id: reason that id),
+    a stop token (EOS unless ignored: reason None; a stop_token_id: reason that id; within
+    the first `min_tokens` tokens the sampler cannot draw one),
     ("length", None) once max_tokens are generated, None to go on. Stop strings are text,
     so the engine's detokenizer finds those."""
     if token in stops:
@@ -48,14 +50,33 @@ def finish_reason(
     return None
 
 
+def check_generate_params(params: SamplingParams) -> None:
+    """The generators return token ids only: refuse what only the engine can return."""
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError(
+            "generate returns token ids only: for logprobs use the engine "
+            "(minillm.LLM(...).generate or the server)"
+        )
+    if params.num_samples > params.n:
+        raise ValueError("best_of needs the engine (minillm.LLM(...).generate or the server)")
+
+
 def _sample_rows(
-    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generators: list[torch.Generator],
+    histories: list[History] | None,
 ) -> torch.Tensor:
     """One token per row; each row draws from its own RNG, so a seeded request gives the
     same tokens whether it runs alone or in a batch."""
-    if params.greedy:
+    if params.greedy and not params.adjusts_logits:
         return logits.argmax(dim=-1)
-    return torch.cat([sample(logits[b : b + 1], params, g) for b, g in enumerate(generators)])
+    return torch.cat(
+        [
+            sample(logits[b : b + 1], params, g, histories and histories[b : b + 1])
+            for b, g in enumerate(generators)
+        ]
+    )
 
 
 def sample_loop(
@@ -65,15 +86,24 @@ def sample_loop(
     stops: set[int],
     generators: list[torch.Generator],
     on_token: Callable[[int, int], None] | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """Sample a token per row from `logits` [B, vocab], give the tokens [B] to `step` for the
     next logits, repeat: each row stops at a stop token or after max_tokens (finished rows
     ride along, their tokens unused). Every generation loop of the course (cached, compiled,
     paged, ONNX Runtime) is this loop with its own `step`. `on_token(row, token)` sees each
-    kept token as soon as it is sampled: streaming."""
+    kept token as soon as it is sampled: streaming. `prompts` (row b's prompt ids) are what
+    repetition_penalty reads; presence/frequency penalties and min_tokens read the output."""
+    check_generate_params(params)
     out, done = [[] for _ in generators], [False] * len(generators)
+    if params.repetition_penalty != 1 and prompts is None:
+        raise ValueError("repetition_penalty reads the prompt: pass prompts= to sample_loop")
     for i in range(params.max_tokens):
-        tokens = _sample_rows(logits, params, generators)
+        histories = None
+        if params.adjusts_logits:
+            prompt = prompts or [[] for _ in generators]
+            histories = [History(p + o, len(p), stops) for p, o in zip(prompt, out, strict=True)]
+        tokens = _sample_rows(logits, params, generators, histories)
         for b, token in enumerate(tokens.tolist()):
             if not done[b]:
                 out[b].append(token)

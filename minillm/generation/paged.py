@@ -73,7 +73,8 @@ def generate_paged(
             manager.mark_computed(seq, len(seq))
         return logits
 
-    out = sample_loop(logits, params, step, stop_ids(model, params), generators)
+    rows = [list(prompts[i // n]) for i in range(len(seqs))]
+    out = sample_loop(logits, params, step, stop_ids(model, params), generators, prompts=rows)
     for seq in seqs:
         manager.free(seq)
     return out

@@ -1,63 +1,38 @@
-"""Sampling parameters with vLLM's names, and the token samplers they select."""
+"""Sampling parameters with vLLM's names, and the one sampler every generator draws with.
+
+A token is drawn in three moves, in vLLM's order:
+
+1. the logits are **adjusted** for the sequence so far (`processors.py`): `min_tokens` masks
+   the stop tokens, `logit_bias` adds to chosen tokens, then the repetition, frequency and
+   presence penalties;
+2. greedy (`temperature=0`) takes the argmax of the adjusted logits; otherwise they are
+   divided by the temperature, cut by top-k and top-p, and one token is drawn from the
+   softmax with the sequence's own RNG;
+3. the engine reports **log-probabilities** (`logprobs`) of the model's own distribution:
+   the log-softmax of the very logits row the token was drawn from, before any adjustment
+   (vLLM V1's default, `raw_logprobs`): an evaluation harness scores the model, not the
+   sampling settings.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 
-OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-case
+from minillm.generation.params import OUTPUT_KINDS, SamplingParams
+from minillm.generation.processors import History, adjust_logits
 
-
-@dataclass
-class SamplingParams:
-    """How to pick each next token and when to stop, with vLLM's names and defaults:
-    `from minillm import LLM, SamplingParams` runs vLLM's quick-start code. `temperature=0`
-    means greedy. Every generator of the course reads these; the engine also reads `n`
-    (samples per prompt), `stop` strings and `output_kind`."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k cut (vLLM accepts both)
-    seed: int | None = None  # sample i of a request draws with seed + i
-    stop: str | list[str] | None = None  # the stop string is left out of the text
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    max_tokens: int = 16
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    # What each engine output carries: the whole text so far, only what is new since the
-    # last output (streaming), or nothing until the request finishes.
-    output_kind: str = "cumulative"
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 disables it)")
-        if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be >= 1, or 0/-1 to disable it")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.n < 1:
-            raise ValueError(f"n={self.n} must be >= 1 (samples per prompt)")
-        if self.seed is not None and not 0 <= self.seed <= 2**63 - self.n:
-            raise ValueError(
-                f"seed={self.seed}: sample i uses seed + i, which must fit in [0, 2**63): "
-                f"give a seed between 0 and {2**63 - self.n}"
-            )
-        if self.output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"output_kind={self.output_kind!r}: use one of {OUTPUT_KINDS}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = [  # SamplingParams lives in params.py; importing it from here keeps working
+    "OUTPUT_KINDS",
+    "History",
+    "SamplingParams",
+    "make_generator",
+    "probabilities",
+    "sample",
+    "top_k_filter",
+    "top_p_filter",
+]
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -81,19 +56,35 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    histories: Sequence[History] | None = None,
 ) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, vocab]."""
+    """Next token ids [B] from last-position logits [B, vocab]: adjusted for each row's
+    `histories` (one per row; needed only by penalties and min_tokens), then argmax or a
+    draw. The one sampler: the engine, `generate` and every loop of the course call it."""
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, histories)
     if params.greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws from: temperature, then top-k, then top-p (fp32)."""
+    """The distribution `sample` draws from (after any adjustment): temperature, then top-k,
+    then top-p (fp32). Each row's maximum is subtracted first, so a tiny temperature gives
+    the greedy limit instead of inf - inf = NaN; a row with +inf logits (a tiny
+    repetition_penalty divides a positive logit by ~0) is uniform over those, its limit."""
     if params.greedy:
         raise ValueError("greedy sampling (temperature=0) has no distribution: use argmax")
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    infinite = torch.isposinf(logits)
+    if infinite.any():
+        rows = infinite.any(dim=-1, keepdim=True)
+        limit = torch.where(infinite, 0.0, float("-inf"))
+        logits = torch.where(rows, limit, logits)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     return top_p_filter(top_k_filter(logits, params.top_k), params.top_p).softmax(dim=-1)
 
 

@@ -15,11 +15,17 @@ round therefore yields between 1 and k + 1 tokens for one target forward.
 
 The speed-up needs two things the output does not show: a draft that agrees often (the
 acceptance rate) and a draft much cheaper than the target. Chapter 10 measures both.
+
+Who proposes is pluggable (`Proposer`): a draft model here, or prompt lookup
+(`minillm.generation.lookup`), which proposes the tokens that followed an earlier
+occurrence of the last few tokens and needs no model at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,6 +33,9 @@ from minillm.cache.contiguous import KVCache
 from minillm.generation.loop import check_length, stop_ids
 from minillm.generation.sampling import SamplingParams, make_generator, probabilities
 from minillm.model.transformer import Transformer
+
+Pick = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]  # logits -> token, its q
+Proposal = tuple[list[int], list[torch.Tensor | None]]  # tokens, the q each was drawn from
 
 
 @dataclass
@@ -115,28 +124,61 @@ def verify(
     return k, int(torch.multinomial(p[k], 1, generator=generator))
 
 
+class Proposer(Protocol):
+    """Where a round's proposals come from: a draft model (`DraftProposer`) or a lookup in
+    the text so far (`minillm.generation.lookup.NgramProposer`)."""
+
+    def propose(self, tokens: list[int], k: int, pick: Pick, stats: SpecStats) -> Proposal:
+        """Up to k proposed tokens to follow `tokens` (the committed ones), each with the
+        distribution it was drawn from (None when greedy)."""
+        ...
+
+    def keep(self, n: int) -> None:
+        """The first n tokens are committed (forget state past them)."""
+        ...
+
+
+class DraftProposer:
+    """A small model with its own KV cache proposes k tokens, one forward each."""
+
+    def __init__(self, draft: Transformer, max_len: int) -> None:
+        self.runner = _Runner(draft, max_len)
+
+    def propose(self, tokens: list[int], k: int, pick: Pick, stats: SpecStats) -> Proposal:
+        proposal: list[int] = []
+        q_rows: list[torch.Tensor | None] = []
+        logits = self.runner.feed(tokens[self.runner.cached :])[-1]
+        for i in range(k):
+            token, q = pick(logits)
+            proposal.append(token)
+            q_rows.append(q)
+            if i < k - 1:
+                logits = self.runner.feed([token])[-1]
+            stats.draft_forwards += 1
+        return proposal, q_rows
+
+    def keep(self, n: int) -> None:
+        self.runner.keep(n)
+
+
 @torch.inference_mode()
-def speculative_generate(
-    target: Transformer,
-    draft: Transformer,
-    prompt: list[int],
-    params: SamplingParams,
-    k: int = 4,
+def speculate(
+    target: Transformer, proposer: Proposer, prompt: list[int], params: SamplingParams, k: int
 ) -> tuple[list[int], SpecStats]:
-    """Generate like `generate(target, [prompt], params)[0]`, with `draft` proposing k tokens
-    per round. Returns the new tokens and what the rounds did."""
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
-            f"({target.config.vocab_size}): a draft must share the target's tokenizer "
-            "(train one with `python -m minillm.training.train --tokenizer <target dir>`)"
-        )
+    """The speculative loop, whatever proposes: each round, up to k proposals, one target
+    forward over all of them, `verify`, commit the kept tokens and the target's next one.
+    Stops like every generator of the course (`stop_ids`: EOS unless ignored, stop tokens,
+    max_tokens)."""
     if k < 1:
         raise ValueError(f"k={k}: propose at least one token per round (plain decoding is k=0)")
+    if params.adjusts_logits or params.logprobs is not None or params.num_samples > params.n:
+        raise ValueError(
+            "speculative decoding here verifies against the model's plain distribution: "
+            "penalties, logit_bias, min_tokens, logprobs and best_of are not supported "
+            "(use minillm.generate or the engine)"
+        )
     check_length(target, len(prompt), params.max_tokens)
-    check_length(draft, len(prompt), params.max_tokens)
-    max_len = len(prompt) + params.max_tokens
-    tgt, drf = _Runner(target, max_len), _Runner(draft, max_len)
+    tgt = _Runner(target, len(prompt) + params.max_tokens)
     generator = None if params.greedy else make_generator(params.seed, target.lm_head.weight.device)
     stops, stats = stop_ids(target, params), SpecStats()
     tokens, out = list(prompt), []
@@ -150,16 +192,8 @@ def speculative_generate(
     while len(out) < params.max_tokens:
         # A round emits up to k_r + 1 tokens: never propose past max_tokens.
         k_r = min(k, params.max_tokens - len(out) - 1)
-        proposal, q_rows = [], []
-        if k_r > 0:
-            logits = drf.feed(tokens[drf.cached :])[-1]
-            for i in range(k_r):
-                token, q = pick(logits)
-                proposal.append(token)
-                q_rows.append(q)
-                if i < k_r - 1:
-                    logits = drf.feed([token])[-1]
-                stats.draft_forwards += 1
+        proposal, q_rows = proposer.propose(tokens, k_r, pick, stats) if k_r > 0 else ([], [])
+        k_r = len(proposal)  # a lookup may find fewer than k (or none: a plain decode step)
         target_logits = tgt.feed(tokens[tgt.cached :] + proposal)[-(k_r + 1) :]
         q = None if params.greedy or not proposal else torch.stack(q_rows)
         if not proposal and not params.greedy:  # nothing proposed: plain sampling
@@ -176,8 +210,29 @@ def speculative_generate(
             if token in stops:
                 return out, stats
         tgt.keep(len(tokens) - 1)  # every cache holds all committed tokens but the last
-        drf.keep(len(tokens) - 1)
+        proposer.keep(len(tokens) - 1)
     return out, stats
+
+
+def speculative_generate(
+    target: Transformer,
+    draft: Transformer,
+    prompt: list[int],
+    params: SamplingParams,
+    k: int = 4,
+) -> tuple[list[int], SpecStats]:
+    """Generate like `generate(target, [prompt], params)[0]`, with `draft` proposing k tokens
+    per round. Returns the new tokens and what the rounds did."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}): a draft must share the target's tokenizer "
+            "(train one with `python -m minillm.training.train --tokenizer <target dir>`, "
+            "or use prompt lookup: `minillm.generation.lookup.prompt_lookup_generate`)"
+        )
+    check_length(draft, len(prompt), params.max_tokens)
+    proposer = DraftProposer(draft, len(prompt) + params.max_tokens)
+    return speculate(target, proposer, prompt, params, k)
 
 
 def predicted_speedup(acceptance: float, k: int, draft_cost: float) -> float:

@@ -138,4 +138,4 @@ def generate_static(
         step = compile_decode_step(mode if compiled else None)
     cache, logits, positions = prefill(model, prompts, params.max_tokens)
     cache.kv_len = cache.max_len  # from here on: fixed shapes
-    return decode(model, cache, logits, positions, params, step)
+    return decode(model, cache, logits, positions, params, step, prompts=prompts)

@@ -208,10 +208,14 @@ def count_flops(fn: Callable[[], Any]) -> int:
 @dataclass
 class Roofline:
     """A machine's measured ceilings: the FLOP rate of one large matmul and the bandwidth
-    of one large copy. No real workload goes faster than both allow."""
+    of one large copy (bytes read + written per second). No real workload goes faster than
+    both allow. `read_bytes_per_s`: bytes per second of a pure read (a sum over the copy's
+    buffer), the ceiling of a job that streams data in and writes little, such as a batch-1
+    decode step reading the weights (0 when not measured)."""
 
     flops_per_s: float
     bytes_per_s: float
+    read_bytes_per_s: float = 0.0
 
     def seconds(self, flops: float, bytes_moved: float) -> float:
         """The least time a job can take: bound by arithmetic or by memory traffic."""
@@ -228,20 +232,30 @@ def measure_roofline(
     matmul of `matmul_size`² (default 1024 on CPU, 8192 on GPU) and a copy of
     `copy_bytes` (the default is far larger than any cache: main-memory bandwidth; a
     smaller buffer measures the cache it fits in). Each is the best of `repeats`
-    runs: a ceiling is what the machine does when nothing else gets in the way."""
+    runs: a ceiling is what the machine does when nothing else gets in the way. The read
+    bandwidth is a sum over the same buffer: one multiply-add's worth of work per 4 bytes,
+    like a matrix-vector product, and no write stream."""
     device = torch.device(device)
     n = matmul_size or (8192 if device.type == "cuda" else 1024)
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     src = torch.empty(copy_bytes // 4, device=device).uniform_()
     dst = torch.empty_like(src)
     samples = time_samples(
-        {"matmul": lambda: torch.mm(a, b), "copy": lambda: dst.copy_(src)},
+        {
+            "matmul": lambda: torch.mm(a, b),
+            "copy": lambda: dst.copy_(src),
+            "read": lambda: src.sum(),
+        },
         repeats=repeats,
         warmup=1,
     )
     t = {name: min(s) for name, s in samples.items()}
     # A copy reads every byte once and writes it once.
-    return Roofline(flops_per_s=2 * n**3 / t["matmul"], bytes_per_s=2 * copy_bytes / t["copy"])
+    return Roofline(
+        flops_per_s=2 * n**3 / t["matmul"],
+        bytes_per_s=2 * copy_bytes / t["copy"],
+        read_bytes_per_s=copy_bytes / t["read"],
+    )
 
 
 # ------------------------------------------------------------------------- op counting

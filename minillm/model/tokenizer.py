@@ -80,7 +80,7 @@ class Tokenizer:
         self.bos_token_id = self._special_id(self.special_tokens["bos_token"])
         self.eos_token_id = self._special_id(self.special_tokens["eos_token"])
         self.chat_template = _read_template(model_dir, cfg)
-        self._compiled: jinja2.Template | None = None
+        self._compiled: dict[str, jinja2.Template] = {}
 
     @staticmethod
     def _content(token: str | dict | None) -> str | None:
@@ -97,32 +97,46 @@ class Tokenizer:
         """Ids, with BOS where the tokenizer's post-processor adds it (Llama does)."""
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text; it releases the GIL while it works (a single `encode`
+        holds it: tokenizing megabytes would stall every other thread, a server's event
+        loop included)."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> str:
         """The conversation as the model's template writes it. `messages` are
         {"role": "system" | "user" | "assistant", "content": str}; with
-        `add_generation_prompt` the text ends where the assistant's reply begins."""
-        if self.chat_template is None:
+        `add_generation_prompt` the text ends where the assistant's reply begins.
+        `chat_template` replaces the model's own (as in transformers)."""
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError(
                 f"{self.model_dir} has no chat template (no chat_template.jinja, no "
                 '"chat_template" in tokenizer_config.json): it is a base model, so prompt it '
                 "with plain text (generate without --chat), or use a chat model such as smollm2"
             )
-        if self._compiled is None:
-            self._compiled = _compile(self.chat_template)
-        return self._compiled.render(
+        if template not in self._compiled:
+            self._compiled[template] = _compile(template)
+        return self._compiled[template].render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Prompt ids of a conversation, equal to transformers' `apply_chat_template(messages,
         tokenize=True, add_generation_prompt=...)`: the template writes the special tokens,
         so none are added around the text."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, chat_template)
         return self.encode(text, add_special_tokens=False)

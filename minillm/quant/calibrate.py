@@ -16,7 +16,8 @@ clipping threshold T per tensor (scale = T / 127). Values beyond T saturate to +
     percentile  T = the 99.99th percentile of |x|: clip the rarest values.
     entropy     T minimising KL(P || Q): P is the histogram of |x| with everything beyond T
                 piled into the last bin, Q the same histogram squeezed into 128 levels and
-                expanded back (TensorRT's `IInt8EntropyCalibrator2`).
+                expanded back (TensorRT's `IInt8EntropyCalibrator2`; `kl_curve` is the
+                curve it minimises).
 
 `collect_stats` gathers absmax and a histogram of every `nn.Linear`'s input with forward
 hooks; `compute_scales` turns them into scales by each method; `fake_quantize_model`
@@ -110,7 +111,8 @@ def collect_stats(
 
     def add_hist(name: str, x: torch.Tensor) -> None:
         top = absmax[name] if absmax[name] > 0 else 1.0
-        hists[name] += torch.histc(x.abs().double().flatten(), bins=bins, min=0.0, max=top)
+        counts = torch.histc(x.abs().double().flatten(), bins=bins, min=0.0, max=top)
+        hists[name] += counts.cpu()  # the model may run on a GPU; the stats live on the CPU
 
     run(find_max)
     run(add_hist)
@@ -150,21 +152,22 @@ def _kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
     return float((p[nz] * np.log(p[nz] / q[nz])).sum())
 
 
-def entropy_threshold(stats: TensorStats, levels: int = QMAX + 1) -> float:
-    """TensorRT's entropy calibration: the threshold T whose int8 version of the
-    histogram loses the least information, KL(P || Q).
+def kl_curve(stats: TensorStats, levels: int = QMAX + 1) -> tuple[np.ndarray, np.ndarray]:
+    """KL(P || Q) of every candidate threshold: the curve the entropy calibrator minimises
+    (returned whole, so it can be plotted). Thresholds are the upper edges of bins
+    `levels`..n; a candidate whose Q misses mass that P has scores inf.
 
-    For each candidate i (bins kept, from `levels` to all): P = hist[:i] with the outlier
-    counts hist[i:] added to its last bin (clipping moves them there); Q = hist[:i] merged
-    into `levels` groups of adjacent bins, each group's count spread evenly over its
-    non-empty bins (the int8 grid cannot tell them apart). T = the upper edge of bin i.
+    For candidate i (bins kept): P = hist[:i] with the outlier counts hist[i:] added to its
+    last bin (clipping moves them there); Q = hist[:i] merged into `levels` groups of
+    adjacent bins, each group's count spread evenly over its non-empty bins (the int8 grid
+    cannot tell them apart).
     """
     hist = stats.hist.numpy()
     n = len(hist)
     if n < levels:
         raise ValueError(f"need at least {levels} histogram bins, got {n}")
     tail = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])  # tail[i] = hist[i:].sum()
-    best_i, best_kl = n, math.inf
+    kls = []
     for i in range(levels, n + 1):
         kept = hist[:i]
         p = kept.copy()
@@ -175,11 +178,17 @@ def entropy_threshold(stats: TensorStats, levels: int = QMAX + 1) -> float:
         group_sum = np.add.reduceat(kept, starts)
         group_nz = np.add.reduceat((kept > 0).astype(np.float64), starts)
         per_bin = np.repeat(group_sum / np.maximum(group_nz, 1), sizes)
-        q = np.where(kept > 0, per_bin, 0.0)
-        kl = _kl_divergence(p, q)
-        if kl < best_kl:
-            best_i, best_kl = i, kl
-    return best_i * stats.bin_width
+        kls.append(_kl_divergence(p, np.where(kept > 0, per_bin, 0.0)))
+    return np.arange(levels, n + 1) * stats.bin_width, np.array(kls)
+
+
+def entropy_threshold(stats: TensorStats, levels: int = QMAX + 1) -> float:
+    """TensorRT's (legacy, implicit) entropy calibrator: the threshold T whose int8 version
+    of the histogram loses the least information, the minimum of `kl_curve`."""
+    thresholds, kl = kl_curve(stats, levels)
+    if not np.isfinite(kl).any():
+        return len(stats.hist) * stats.bin_width  # nothing comparable: keep everything
+    return float(thresholds[int(np.argmin(kl))])
 
 
 def threshold(stats: TensorStats, method: str, percentile: float = 99.99) -> float:

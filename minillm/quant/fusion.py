@@ -8,9 +8,9 @@ Three rewrites, each exact in real arithmetic (fp32 rounding aside):
                   GEMM, then a split (three matmul launches become one, wider one).
     fuse gate/up  the same for the MLP's gate and up projections.
 
-`fuse_model` returns a fused copy (the original is untouched); `count_ops` counts the aten
-ops a forward dispatches (on a GPU, one compute op is one kernel launch), which is what
-fusion saves. The fused modules keep the model's call signatures, so the KV cache and
+`fuse_model` returns a fused copy (the original is untouched); `minillm.lab.count_ops`
+counts the aten ops a forward dispatches (on a GPU, one compute op is one kernel launch),
+which is what fusion saves. The fused modules keep the model's call signatures, so the KV cache and
 `generate` work unchanged.
 """
 
@@ -38,8 +38,14 @@ class ScaleFreeRMSNorm(nn.Module):
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    out.to(weight.dtype)
+    # On the weight's device and dtype: a model on a GPU stays there once fused.
+    out = nn.Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         out.weight.copy_(weight)
         if bias is not None:

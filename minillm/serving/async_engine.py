@@ -1,28 +1,41 @@
-"""The engine stepping in a background thread, for the asyncio server, and its metrics."""
+"""The engine stepping in a background thread, for the asyncio server.
+
+Handlers never touch the engine: they post "add" and "abort" commands to an inbox that the
+engine thread drains between steps (no lock to wait for, so the event loop never stalls
+behind a step), and receive each request's outputs through the `deliver` callback they
+gave. Every request that was added gets a final output, whatever happens: its own, an
+error output if the engine refused it or failed on it, or a shutdown error when the server
+stops. So no handler can wait forever on a request nobody will finish.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections.abc import Callable
 
 from minillm.engine.llm_engine import Engine
-from minillm.engine.outputs import RequestOutput
+from minillm.engine.outputs import RequestMetrics, RequestOutput
 from minillm.generation.sampling import SamplingParams
+from minillm.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SHUTDOWN_ERROR = "the server is shutting down: this request was not finished"
+Deliver = Callable[[RequestOutput], None]
+
+
+def failed_output(request_id: str, prompt_ids: list[int], error: str) -> RequestOutput:
+    """A final output for a request the engine could not run (no samples, `error` set)."""
+    return RequestOutput(
+        request_id, None, prompt_ids, [], True, RequestMetrics(time.perf_counter()), error=error
+    )
 
 
 class AsyncEngine:
-    """The engine stepping in a background thread. Handlers never touch it directly: they
-    post "add" and "abort" commands to an inbox that the engine thread drains between
-    steps (no lock to wait for, so the event loop never stalls behind a step), and read
-    the state snapshot the engine thread publishes after each step."""
+    """The engine on its own thread; `add` and `abort` are safe from any thread."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -30,109 +43,90 @@ class AsyncEngine:
         self.wake = threading.Event()
         self.running = False
         self.thread: threading.Thread | None = None
-        self.rate_window: deque[tuple[float, int]] = deque()  # (time, generated tokens)
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.snapshot: dict[str, float] = self._state()
+        self.metrics = ServerMetrics(engine)
+        self.pending: dict[str, tuple[list[int], Deliver]] = {}  # added, not yet finished
+        self.lock = threading.Lock()
 
     def start(self) -> None:
         self.running = True
         self.thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping (a step in progress ends first, up to `timeout`), then give every
+        unfinished request its shutdown error."""
         self.running = False
         self.wake.set()
         if self.thread is not None:
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=timeout)
+        self._fail_pending(SHUTDOWN_ERROR)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Check and queue a request (ValueError if it can never run); its outputs arrive
-        on the returned asyncio queue."""
-        self.engine.check_request(prompt_ids, params)  # reads only fixed configuration
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+    def _fail_pending(self, error: str) -> None:
+        with self.lock:
+            left, self.pending = self.pending, {}
+        for request_id, (prompt_ids, deliver) in left.items():
+            try:
+                deliver(failed_output(request_id, prompt_ids, error))
+            except Exception:  # the consumer is gone (its event loop closed): nothing to tell
+                log.debug("could not deliver the final output of %s", request_id)
 
-        def deliver(out: RequestOutput) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
+    def add(self, prompt_ids: list[int], params: SamplingParams, deliver: Deliver) -> str:
+        """Queue a checked request; `deliver(output)` is called on the engine thread with
+        each of its outputs, the last one finished."""
         request_id = uuid.uuid4().hex
-        self.inbox.put(("add", request_id, prompt_ids, params, deliver, time.perf_counter()))
+        with self.lock:
+            self.pending[request_id] = (prompt_ids, deliver)
+        self.inbox.put(("add", request_id, prompt_ids, params, time.perf_counter()))
         self.wake.set()
-        return request_id, outputs
+        return request_id
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
         self.wake.set()
 
+    def _deliver(self, request_id: str) -> Deliver:
+        def deliver(out: RequestOutput) -> None:  # on the engine thread
+            if out.finished:
+                with self.lock:
+                    entry = self.pending.pop(request_id, None)
+                if out.error is not None:
+                    self.metrics.num_failed += 1
+            else:
+                entry = self.pending.get(request_id)
+            if entry is not None:
+                entry[1](out)
+
+        return deliver
+
     def _drain(self) -> None:
         while not self.inbox.empty():
             command, request_id, *args = self.inbox.get()
-            if command == "add":
-                prompt_ids, params, deliver, arrival = args
-                self.engine.add_request(prompt_ids, params, request_id, deliver, arrival)
-            else:
+            if command == "abort":
                 self.engine.abort(request_id)
+                continue
+            prompt_ids, params, arrival = args
+            deliver = self._deliver(request_id)
+            try:
+                self.engine.add_request(prompt_ids, params, request_id, deliver, arrival)
+            except Exception as err:  # refused after all: tell this request only
+                log.warning("request %s refused by the engine: %s", request_id, err)
+                deliver(failed_output(request_id, prompt_ids, f"{type(err).__name__}: {err}"))
 
     def _loop(self) -> None:
-        while self.running:
-            self.wake.clear()
-            try:
-                self._drain()
-                if not self.engine.has_unfinished():
-                    self.snapshot = self._state()
-                    self.wake.wait(timeout=1.0)
-                    continue
-                self.engine.step()
-            except Exception:  # a bug, not bad input: fail the requests, keep serving
-                log.exception("engine step failed; aborting the running requests")
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
-            now = time.perf_counter()
-            self.rate_window.append((now, self.engine.num_generated_tokens))
-            while now - self.rate_window[0][0] > 10:
-                self.rate_window.popleft()
-            self.snapshot = self._state()
-
-    def _state(self) -> dict[str, float]:
-        """The gauges and counters of /metrics (built on the engine thread)."""
-        e = self.engine
-        return {
-            "num_requests_running": len({s.request_id for s in e.scheduler.running}),
-            "num_requests_waiting": len({s.request_id for s in e.scheduler.waiting}),
-            "kv_blocks_used": e.num_blocks_used,
-            "kv_blocks_total": e.manager.num_blocks,
-            "prompt_tokens_total": e.num_prompt_tokens,
-            "generation_tokens_total": e.num_generated_tokens,
-            "requests_finished_total": e.num_finished,
-            "requests_aborted_total": e.num_aborted,
-            "preemptions_total": e.scheduler.num_preemptions,
-            "generation_tokens_per_second": self._tokens_per_second(),
-        }
-
-    def _tokens_per_second(self) -> float:
-        """Generated tokens per second over the last 10 s of steps."""
-        window = self.rate_window
-        if len(window) < 2 or time.perf_counter() - window[-1][0] > 10:
-            return 0.0
-        (t0, n0), (t1, n1) = window[0], window[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, sum and count."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets, self.counts = buckets, [0] * len(buckets)
-        self.sum, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
-        self.sum, self.count = self.sum + value, self.count + 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [
-            f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)
-        ]
-        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}"]
-        return out + [f"{name}_count {self.count}"]
+        try:
+            while self.running:
+                self.wake.clear()
+                try:
+                    self._drain()
+                    if not self.engine.has_unfinished():
+                        self.metrics.update(self.engine, stepped=False)
+                        self.wake.wait(timeout=1.0)
+                        continue
+                    self.engine.step()
+                except Exception as err:  # a bug in the shared step itself: nobody's fault
+                    log.exception("engine step failed; aborting the requests in flight")
+                    for request_id in list(self.engine.requests):
+                        self.engine.abort(request_id, f"internal engine error ({err!r})")
+                self.metrics.update(self.engine)
+        finally:  # stopped, or died: no request may wait for a thread that is gone
+            self._fail_pending(SHUTDOWN_ERROR if not self.running else "the engine thread died")

@@ -137,3 +137,63 @@ def test_ch04_calibrate_linear_inputs_quality(ch04, bundled):
     agree = next_token_agreement(model, q, ids, **kw)
     assert ppl < base * 1.05, f"int8 perplexity {ppl:.2f} vs fp32 {base:.2f}: more than 5% worse"
     assert agree > 0.9, f"only {agree:.1%} of next-token predictions unchanged"
+
+
+# ------------------------------------------------------------------- qdq_linear_onnx
+
+
+def run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, x_scale: float) -> torch.Tensor:
+    """The reference: int8 quantize-dequantize of x (per tensor, ONNX's [-128, 127]) and of
+    w (per output channel, absmax / 127), then an fp32 matmul."""
+    s = torch.tensor(x_scale, dtype=torch.float32)
+    xq = torch.clamp(torch.round(x / s), -128, 127) * s
+    w_scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return xq @ (torch.round(w / w_scale) * w_scale).T
+
+
+def test_ch04_qdq_linear_onnx_is_a_qdq_graph_with_any_batch(ch04):
+    onnx = pytest.importorskip("onnx")
+    w = torch.randn(24, 40, generator=torch.Generator().manual_seed(5))
+    proto = ch04.qdq_linear_onnx(w, 0.02)
+    onnx.checker.check_model(proto)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("QuantizeLinear") == 2 and ops.count("DequantizeLinear") == 2, (
+        f"one Q -> DQ pair on the input and one on the weight, got {ops}"
+    )
+    for batch in (1, 7):
+        y = run_onnx(proto, torch.randn(batch, 40))
+        assert y.shape == (batch, 24), f"batch {batch}: y is {tuple(y.shape)}, not ({batch}, 24)"
+
+
+def test_ch04_qdq_linear_onnx_equals_int8_fake_quantization(ch04):
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)
+    x_scale = float(x.abs().max()) / 127  # no clipping: the whole range is on the grid
+    got = run_onnx(ch04.qdq_linear_onnx(w, x_scale), x)
+    ref = int8_linear(x, w, x_scale)
+    err = (got - ref).abs().max().item()
+    assert err < 1e-4, (
+        f"max |ONNX - int8 fake quantization| = {err:.3g}: check the scales (x: input_scale; "
+        "w: max |w| per output channel / 127) and the zero points (int8 zeros)"
+    )
+    assert (got - x @ w.T).abs().max() > 1e-3, "the output is the fp32 linear: quantize it"
+
+
+def test_ch04_qdq_linear_onnx_scales_the_weight_per_output_channel(ch04):
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(8, 32, generator=g), torch.randn(4, 32, generator=g)
+    w[0] *= 1000  # one loud channel: a per-tensor weight scale would flatten the others
+    x_scale = float(x.abs().max()) / 127
+    got = run_onnx(ch04.qdq_linear_onnx(w, x_scale), x)
+    quiet = (got - x @ w.T)[:, 1:].abs().max().item()
+    assert quiet < 1.0, (  # per channel: ~0.1 here; one scale for all: ~5
+        f"error {quiet:.3g} on the quiet channels: one scale per output channel (axis 1 "
+        "of the [in, out] weight), max |w| of the channel / 127"
+    )
+    assert torch.allclose(got, int8_linear(x, w, x_scale), atol=1e-3, rtol=1e-4)

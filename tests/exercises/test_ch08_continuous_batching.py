@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from minillm import SamplingParams, load_model, load_tokenizer
+from minillm.engine import Engine
 from minillm.engine.detokenizer import stop_text_holdback
 
 # One urgent stream of short requests and one patient request (priority 5) at step 0.
@@ -118,3 +120,98 @@ def test_ch08_stream_with_stops_on_random_streams(ch08):
             sent += chunk
             so_far = "".join(pieces[:n])
             assert sent == so_far[: len(so_far) - stop_text_holdback(so_far, stops)], (pieces, n)
+
+
+# --- schedule_running -------------------------------------------------------------------------
+
+
+TEXTS = [
+    "In the beginning God created",
+    "And the LORD said unto Moses, Speak unto the children of Israel",
+    "Blessed are the poor in spirit",
+    "And it came to pass after these things",
+    "The LORD is my shepherd",
+]
+
+
+def run_engine(model, tok, pass_fn=None, **pool):
+    """Greedy outputs of an engine on a tight pool, optionally with `pass_fn` as its
+    scheduler's pass over running sequences; and each step's batch, for invariants."""
+    engine = Engine(model, tok, **pool)
+    if pass_fn is not None:
+        engine.scheduler._run_running = lambda batch, budget, prompts: pass_fn(
+            engine.scheduler, batch, budget, prompts
+        )
+    batches, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        batches.append(batch)
+        return batch
+
+    engine.scheduler.schedule = recording
+    for text in TEXTS:
+        engine.add_request(text, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    outs = [o.outputs[0].token_ids for o in engine.run_to_completion()]
+    return outs, [b for b in batches if b is not None], engine
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model(), load_tokenizer()
+
+
+POOLS = {
+    "recompute": dict(num_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=10),
+    "swap": dict(
+        num_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=10,
+        preemption_mode="swap",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", POOLS)
+def test_ch08_schedule_running_serves_a_tight_pool_like_the_engine(ch08, bundled, mode):
+    model, tok = bundled
+    want, _, reference = run_engine(model, tok, **POOLS[mode])
+    assert reference.scheduler.num_preemptions > 0, "the pool no longer forces preemption"
+    got, batches, engine = run_engine(model, tok, ch08.schedule_running, **POOLS[mode])
+    assert engine.scheduler.num_preemptions > 0, "nothing was preempted: make room first"
+    for step, batch in enumerate(batches):
+        seqs = [item.seq for item in batch.items]
+        assert len(seqs) == len(set(seqs)), f"step {step}: a sequence scheduled twice"
+        assert not set(seqs) & set(batch.preempted), f"step {step}: preempted and scheduled"
+        assert batch.num_tokens <= POOLS[mode]["max_num_batched_tokens"], f"step {step}: budget"
+    assert got == want, "other tokens than the engine's own scheduler gives"
+
+
+def plan(batches) -> list[tuple]:
+    """Each step as (who runs how many tokens, who was preempted): the policy itself."""
+    return [
+        (
+            [(i.seq.request_id, i.seq.index, i.num_tokens) for i in b.items],
+            [(s.request_id, s.index) for s in b.preempted],
+        )
+        for b in batches
+    ]
+
+
+def test_ch08_schedule_running_makes_the_engines_choices(ch08, bundled):
+    """Oldest served first, newest preempted first: step by step the same plan."""
+    model, tok = bundled
+    _, want, _ = run_engine(model, tok, **POOLS["recompute"])
+    _, got, _ = run_engine(model, tok, ch08.schedule_running, **POOLS["recompute"])
+    for step, (a, b) in enumerate(zip(plan(got), plan(want), strict=False)):
+        assert a == b, (
+            f"step {step}: (runs, preempted) {a}, the engine's scheduler: {b}. Serve the "
+            "oldest running sequence first, and preempt the newest one not in this step"
+        )
+    assert len(got) == len(want)
+
+
+def test_ch08_schedule_running_leaves_the_pool_whole(ch08, bundled):
+    """After the run every block is back: nothing leaked by a preemption."""
+    model, tok = bundled
+    _, _, engine = run_engine(model, tok, ch08.schedule_running, **POOLS["recompute"])
+    manager = engine.manager
+    assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"

@@ -1,0 +1,74 @@
+"""What every benchmark does around its measurements, written once: the same options
+(`--quick`, `--threads`, `--json`), the same header line, the results as one JSON file and
+one `SUMMARY <name>:` line at the end, which the README's results table quotes.
+
+    ap = report.parser(__doc__, quick="fewer requests (about a minute)")
+    ap.add_argument(...)  # the benchmark's own options
+    args = ap.parse_args(argv)
+    run = report.start("scheduling", args)
+    ...
+    return run.finish(results, "chunked ITL p99/p50 ...")
+
+Threads default to 1: on a shared machine a second intra-op thread mostly adds waiting,
+and the figures are ratios measured in the same run, which one thread keeps comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 0
+
+
+def parser(doc: str | None, quick: str | None = None) -> argparse.ArgumentParser:
+    """The benchmark's argument parser: its docstring's first paragraph as the description,
+    `--threads`, `--json`, and `--quick` when the benchmark has a quick mode (`quick`: what
+    it does)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    if quick is not None:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    return ap
+
+
+@dataclass
+class Run:
+    """One benchmark run: started by `start`, closed by `finish`."""
+
+    name: str
+    args: argparse.Namespace
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def finish(self, results: dict[str, Any], summary: str) -> dict[str, Any]:
+        """Add the run's options and duration, write the JSON if asked, print the summary."""
+        results = {
+            **results,
+            "threads": self.args.threads,
+            "quick": getattr(self.args, "quick", False),
+            "seconds": self.seconds,
+        }
+        if self.args.json:
+            self.args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"SUMMARY {self.name}: {summary}; {results['seconds']:.0f} s")
+        return results
+
+
+def start(name: str, args: argparse.Namespace, seed: int = SEED) -> Run:
+    """Set the thread count and the seed, print the header line, start the clock."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(seed)
+    quick = f", quick={args.quick}" if hasattr(args, "quick") else ""
+    print(f"torch {torch.__version__}, {args.threads} thread(s){quick}")
+    return Run(name, args)

@@ -1,0 +1,34 @@
+"""ONNX Runtime GenAI, the production reference of chapter 03: its model builder on the
+bundled checkpoint (fp32, CPU) decodes the same greedy tokens as minillm and scores the
+same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import SamplingParams, generate
+from minillm.export.ort_genai import GenaiDecoder, build_genai_model
+from minillm.model.weights import BUNDLED_DIR
+
+
+@pytest.fixture(scope="module")
+def genai(tmp_path_factory) -> GenaiDecoder:
+    out = build_genai_model(BUNDLED_DIR, tmp_path_factory.mktemp("genai"), "fp32")
+    return GenaiDecoder(out)
+
+
+def test_genai_decodes_minillms_greedy_tokens(genai, model, prompts):
+    want = generate(model, prompts, SamplingParams(temperature=0, max_tokens=16))
+    assert genai.generate(prompts, 16) == want
+
+
+@torch.inference_mode()
+def test_genai_prefill_logits_equal_minillms(genai, model, prompts):
+    ids = torch.tensor([prompts[1]])
+    torch.testing.assert_close(genai.logits_fn()(ids), model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_precision_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="fp32, fp16, int4"):
+        build_genai_model(BUNDLED_DIR, tmp_path, "int3")
