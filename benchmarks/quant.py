@@ -45,7 +45,7 @@ from minillm.lab import format_bytes, time_ratios
 from minillm.model import ModelConfig, Transformer
 from minillm.model.shapes import SMOLLM2_135M
 from minillm.quant import quantize_model, weight_bytes
-from minillm.quant.linear import linear_names
+from minillm.quant.linear import linear_names, use_cpu_kernels
 from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +204,8 @@ def decode_step(
 
 
 def build(model: Transformer, scheme: str) -> tuple[nn.Module, str]:
-    """(model in `scheme`, a note). fp32 / bf16 / ours / library names."""
+    """(model in `scheme`, a note). fp32 / bf16 / ours / library names; one of ours with
+    '+kernel' ('int8+kernel', 'int4-g64+kernel') runs on torch's CPU kernels."""
     if scheme == "fp32":
         return model, ""
     if scheme == "bf16":
@@ -215,6 +216,10 @@ def build(model: Transformer, scheme: str) -> tuple[nn.Module, str]:
         return bnb_model(model, "nf4"), ""
     if scheme == "torch.ao-int8":
         return torch_ao_int8(model)
+    if scheme.endswith("+kernel"):  # on torch's CPU int8 / int4 kernels (bf16 activations)
+        quantized = quantize_model(copy.deepcopy(model), scheme.removesuffix("+kernel"))
+        skipped = use_cpu_kernels(quantized)
+        return quantized, f"no kernel for {sorted(skipped)}" if skipped else ""
     return quantize_model(copy.deepcopy(model), scheme), ""
 
 

@@ -90,9 +90,14 @@ def check(
         raise ValueError(f"{module} has no function {', '.join(unknown)}: check the spelling")
     collect = _Collect()
     args = [str(path), "-k", name, "-q", "-p", "no:cacheprovider", f"--rootdir={REPO_ROOT}"]
-    threads, env = torch.get_num_threads(), os.environ.get("MINILLM_IMPL")
+    threads = torch.get_num_threads()
+    # The base the overrides go over; and no third-party pytest plugins: the exercise
+    # tests need none, and loading them (schemathesis, nbval, ...) made a notebook's
+    # first check take 15 s longer.
+    env = {"MINILLM_IMPL": "solutions", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    saved = {key: os.environ.get(key) for key in env}
     OVERRIDES[module] = overrides
-    os.environ["MINILLM_IMPL"] = "solutions"  # the base the overrides go over
+    os.environ.update(env)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -100,10 +105,11 @@ def check(
     finally:
         OVERRIDES.pop(module, None)
         torch.set_num_threads(threads)  # the tests' conftest sets one thread
-        if env is None:
-            os.environ.pop("MINILLM_IMPL", None)
-        else:
-            os.environ["MINILLM_IMPL"] = env
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return _verdict(exercise, collect)
 
 

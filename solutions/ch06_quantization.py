@@ -8,6 +8,9 @@ per byte, NF4. Here you write the core of group-wise INT4 in plain torch:
     quantize_groupwise    asymmetric 4-bit codes, one scale and zero point per group
     dequantize_groupwise  codes back to floats
     int4_linear           y = x @ W^T straight from the packed weight
+    dequantize_q4_1       the real model's format: llama.cpp Q4_1 blocks of 32 weights
+    gptq_columns          GPTQ's column-by-column rounding with error feedback
+    awq_scale_search      AWQ's search for per-input-channel scales
 
 The format is minillm's, so the tests check your bytes against `minillm.quant` (a
 weight packed by you unpacks with minillm and the other way round). Replace each
@@ -20,6 +23,8 @@ and one exercise with `-k "ch06 and pack"`. The answers are in
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -154,3 +159,116 @@ def int4_linear(
     xsum = xg.sum(-1)[:, None, :]  # [rows, 1, groups]
     y = ((dots - zeros.float()[None] * xsum) * scales.float()[None]).sum(-1)
     return y.reshape(*x.shape[:-1], out_f).to(x.dtype)
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_1 blocks -> float32 weights: uint8 [n_blocks, 20] -> [n_blocks, 32].
+
+    SmolLM2's GGUF file (the course's real model) stores most matrices as Q4_1: each run
+    of 32 consecutive weights of a row is one 20-byte block
+
+        bytes 0-1    d  (fp16, little-endian)   the step between levels
+        bytes 2-3    m  (fp16, little-endian)   the value of code 0: the group's minimum
+        bytes 4-19   16 bytes, two 4-bit codes q per byte
+
+    and weight i of the block is w = d * q_i + m. Careful with the nibble order: byte j
+    holds weight j in its LOW nibble and weight j + 16 in its HIGH nibble (the first 16
+    weights are all the low nibbles), not weights 2j and 2j+1 as in `pack_int4`.
+
+    Compute in float32 in that order (d * q, then + m), so the test can compare your
+    values with the `gguf` package's reference dequantizer bit for bit; it also checks
+    the first blocks of a real Q4_1 tensor of the model. Hint: `t.view(torch.float16)`
+    reinterprets a contiguous uint8 tensor's bytes (pairs of bytes become fp16 values).
+    """
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != 20:
+        raise ValueError(f"Q4_1 blocks are uint8 [n, 20], got {blocks.dtype} {tuple(blocks.shape)}")
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[:, 4:]
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()  # weights 0-15, then 16-31
+    return d * q + m
+
+
+def gptq_columns(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """GPTQ's core: round the columns of w [out, in] one at a time, left to right, and
+    push each column's rounding error onto the columns not rounded yet. Returns the
+    rounded (dequantized) weight [out, in].
+
+    The grid is given: column j belongs to group g = j // group_size, and a value v
+    rounds to (clamp(round(v / scale[:, g]) + zero[:, g], 0, 15) - zero[:, g]) *
+    scale[:, g] (asymmetric INT4; scale and zero are [out, in / group_size]).
+
+    The error feedback: `u` [in, in] is the upper Cholesky factor of H^-1, where
+    H = 2 X^T X / n is the Hessian of the layer's output error over calibration inputs
+    X [n, in]. After rounding column j (current values c, rounded r):
+
+        err = (c - r) / u[j, j]
+        W[:, j+1:] -= err[:, None] * u[j, j+1:][None, :]
+
+    so the columns still to come absorb the error, in proportion to how their inputs
+    correlate with input j. (Row j of u is what is left of H^-1 after eliminating the
+    columns before j: the Cholesky factor does all of Optimal Brain Quantization's
+    inverse updates at once.) Work on a copy: leave `w` unchanged.
+
+    Graded: with u = identity (uncorrelated inputs) the result is plain round-to-nearest;
+    on correlated inputs it equals the explicit OBQ update with H^-1, and its layer output
+    error on new inputs is below 80% of round-to-nearest's.
+    """
+    w = w.to(u.dtype).clone()  # float64 in, float64 out: the test compares exactly
+    out = torch.empty_like(w)
+    for j in range(w.shape[1]):
+        g = j // group_size
+        s, z = scale[:, g].to(w.dtype), zero[:, g].to(w.dtype)
+        r = ((w[:, j] / s).round() + z).clamp(0, 15)
+        out[:, j] = (r - z) * s
+        err = (w[:, j] - out[:, j]) / u[j, j]
+        w[:, j + 1 :] -= err[:, None] * u[j, j + 1 :][None, :]
+    return out
+
+
+def awq_scale_search(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+    n_grid: int = 20,
+) -> torch.Tensor:
+    """AWQ's scale search for one linear layer: per-input-channel scales s [in] that make
+    rounding hurt the layer's output least. x [n, in] are calibration inputs, w [out, in]
+    the weight, `fake_quantize(w)` rounds a weight and returns its float values (group-wise
+    INT4 in the test).
+
+    Scaling input channel j of the weight up by s_j and its activation down by s_j
+    changes nothing in float ((W diag(s)) (x / s) = W x), but the rounding of column j
+    now costs 1/s_j as much. Channels with large activations should get large s. AWQ
+    ties s to the activations with one knob alpha in [0, 1):
+
+        s = mean_n |x[n, j]| ** alpha        (clamp tiny values to 1e-4)
+        s = s / sqrt(s.max() * s.min())     (so the weight's overall range stays put)
+
+    For alpha = i / n_grid, i = 0 .. n_grid - 1, score the candidate by the relative
+    output error ||x w^T - (x / s) Q(w s)^T||^2 / ||x w^T||^2 and return the s with the
+    smallest one. alpha = 0 gives s = 1: plain rounding, so the search never does worse
+    than round-to-nearest on x.
+
+    Graded: s is positive, finite, shape [in]; on x it is never worse than s = 1; on new
+    inputs where a few channels carry 20x larger activations its output error is below
+    85% of round-to-nearest's.
+    """
+    x, w = x.float(), w.float()
+    mean_abs = x.abs().mean(0)
+    ref = x @ w.T
+    best, best_err = torch.ones_like(mean_abs), float("inf")
+    for i in range(n_grid):
+        s = mean_abs.pow(i / n_grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        y = (x / s) @ fake_quantize(w * s).T
+        err = ((y - ref).pow(2).sum() / ref.pow(2).sum()).item()
+        if err < best_err:
+            best, best_err = s, err
+    return best

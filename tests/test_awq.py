@@ -53,6 +53,11 @@ def test_folding_scales_leaves_float_outputs_unchanged(which: str, model) -> Non
     assert not torch.equal(smoothed.model.layers[0].mlp.up_proj.weight, w0)  # it did move
 
 
+def test_awq_refuses_an_unknown_scope(model) -> None:
+    with pytest.raises(ValueError, match="'block'"):
+        awq_smooth(copy.deepcopy(model), _batches(model.config.vocab_size), "int4-g32", scope="x")
+
+
 def test_fold_refuses_bad_scales(model) -> None:
     block = copy.deepcopy(model.model.layers[0])
     group = ScaleGroup("input_layernorm", ("self_attn.q_proj",))
@@ -75,9 +80,10 @@ def test_awq_protects_salient_channels() -> None:
     assert layer_output_error(w, w_awq, x_new) < 0.85 * layer_output_error(w, rtn, x_new)
 
 
-def test_awq_model_lowers_block_output_error(model) -> None:
+@pytest.mark.parametrize("scope", ["block", "linear"])
+def test_awq_model_lowers_block_output_error(model, scope: str) -> None:
     batches = _batches(model.config.vocab_size)
-    awq = awq_quantize_model(copy.deepcopy(model), batches, "int4-g32", n_grid=10)
+    awq = awq_quantize_model(copy.deepcopy(model), batches, "int4-g32", n_grid=10, scope=scope)
     rtn = quantize_model(copy.deepcopy(model), "int4-g32")
     outs = {}
     for name, m in {"fp32": model, "awq": awq, "rtn": rtn}.items():

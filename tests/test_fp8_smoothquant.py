@@ -19,6 +19,7 @@ from minillm.quant.fp8 import (
 from minillm.quant.smoothquant import (
     calibration_absmax,
     outlier_report,
+    search_smooth_model,
     smooth_model,
     smoothing_scales,
     smoothquant_model,
@@ -113,3 +114,30 @@ def test_smoothquant_undoes_activation_outliers(model) -> None:
     with torch.inference_mode():
         err_plain, err_sq = _rel(plain(ids), ref), _rel(sq(ids), ref)
     assert err_sq < 0.5 * err_plain, (err_sq, err_plain)
+
+
+def test_smoothquant_alpha_search_fits_each_layer(model) -> None:
+    """Per-group alphas, searched on the W8A8 output error of the module each group feeds:
+    on the outlier model the searched W8A8 model is at least as close to float as the
+    fixed alpha 0.5 (on held-out ids); `keep` leaves a named layer unquantized."""
+    m = _outlier_model(model)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(1, model.config.vocab_size, (2, 64), generator=g)]
+    ids = torch.randint(1, model.config.vocab_size, (2, 64), generator=g)
+    searched = copy.deepcopy(m)
+    chosen = search_smooth_model(searched, batches, alphas=(0.3, 0.5, 0.8))
+    assert set(chosen.values()) <= {0.3, 0.5, 0.8}
+    assert len(chosen) == 3 * model.config.num_hidden_layers  # GQA: no v -> o group
+    with torch.inference_mode():
+        ref = m(ids)
+        assert torch.allclose(searched(ids), ref, atol=1e-4, rtol=1e-4)  # folding alone
+    fixed = smoothquant_model(copy.deepcopy(m), batches, alpha=0.5)
+    best = smoothquant_model(copy.deepcopy(m), batches, alpha=(0.3, 0.5, 0.8))
+    with torch.inference_mode():
+        err_fixed, err_best = _rel(fixed(ids), ref), _rel(best(ids), ref)
+    assert err_best <= 1.05 * err_fixed, (err_best, err_fixed)
+    kept = smoothquant_model(copy.deepcopy(m), batches, 0.5, keep=("lm_head", "1.mlp.down_proj"))
+    assert type(kept.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert type(kept.model.layers[0].mlp.down_proj) is not torch.nn.Linear
+    with pytest.raises(ValueError, match="at least one alpha"):
+        search_smooth_model(copy.deepcopy(m), batches, alphas=())

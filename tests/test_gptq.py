@@ -126,3 +126,25 @@ def test_gptq_model_lowers_block_output_error(model) -> None:
     errs = {k: (outs[k] - outs["fp32"]).norm().item() for k in ("gptq", "rtn")}
     assert errs["gptq"] < errs["rtn"], errs
     assert use_cpu_kernels(gptq) == {}
+
+
+def test_gptq_model_stacks_linears_that_share_an_input(model) -> None:
+    """q/k/v (and gate/up) read one input: the model quantizes their stacked rows in one
+    call, and each gets the codes its own call gives."""
+    from minillm.quant.gptq import shared_inputs
+    from minillm.quant.sequential import block_linears, calibration_states, capture_inputs
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(1, model.config.vocab_size, (2, 64), generator=g)]
+    block = model.model.layers[0]
+    names = block_linears(block)
+    inputs = capture_inputs(block, calibration_states(model, batches), names)
+    assert [len(run) for run in shared_inputs(names, inputs)] == [3, 1, 2, 1]
+    stacked = gptq_quantize_model(copy.deepcopy(model), batches, "int4-g32")
+    for name in ("self_attn.k_proj", "mlp.up_proj"):
+        alone = gptq_quantize(
+            block.get_submodule(name).weight.detach().float(), hessian(inputs[name]), 32
+        )
+        got = stacked.model.layers[0].get_submodule(name)
+        same = (unpack_int4(got.packed) == unpack_int4(alone.packed)).float().mean().item()
+        assert same > 0.999 and torch.equal(got.scale, alone.scale), (name, same)

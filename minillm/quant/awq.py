@@ -8,17 +8,21 @@ the activations down by the same factor, folded into the op before (`smoothing`)
     W x = (W diag(s)) (x / s),    quantize W diag(s) instead of W.
 
 The scales follow the activations: s = mean|x|^alpha per input channel (normalised so
-max * min = 1), with alpha searched on calibration data to minimise the quantized layer's
-output error ||x W^T - (x / s) Q(W diag(s))^T||. alpha = 0 is plain round-to-nearest, so
-the search can only do as well or better on the calibration tokens. As in the paper's
-code, blocks are processed in order, each calibrated on the outputs of the scaled (not
-yet quantized) blocks before it; every linear is then rounded to nearest.
+max * min = 1), alpha on a grid of `n_grid` values in [0, 1). alpha = 0 is plain
+round-to-nearest, so the search can only do as well or better on the calibration tokens.
+
+What the search minimises is the output of the module the scales feed, as in the paper's
+code (`scale_search`): q/k/v's shared scales are scored on the attention output, gate/up's
+on the MLP output, down's on its own output. `awq_search` is the one-linear version (the
+layer's own output error), kept because it is the idea in four lines, and selectable as
+`scope="linear"` to measure what the module-level loss buys. As in the paper's code,
+blocks are processed in order, each calibrated on the outputs of the scaled (not yet
+quantized) blocks before it; every linear is then rounded to nearest.
 
 Then AWQ's second search (`awq_clip`): per weight group, the clipping range (a shrink of
 its absmax by 0-50%) whose rounded weights give the group's partial outputs x_g w_g^T the
 least error. Like the paper's code it skips q_proj and k_proj, whose errors pass through
-the softmax. Left out, and said here: the loss on a whole attention/MLP output (here:
-the outputs of the linears themselves).
+the softmax.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from minillm.model.transformer import Transformer
 from minillm.quant.formats import quantize_int4
 from minillm.quant.linear import Scheme, parse_scheme, quantize_model
+from minillm.quant.scale_search import ModuleProbe, search_scales
 from minillm.quant.sequential import (
     block_linears,
     calibration_states,
@@ -37,6 +42,13 @@ from minillm.quant.sequential import (
     run_block,
 )
 from minillm.quant.smoothing import fold_scales, group_weight, scale_groups
+
+
+def awq_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = mean|x|^alpha per input channel, normalised so that max(s) * min(s) = 1 (the
+    weights' overall range stays put; only the split between channels moves)."""
+    s = mean_abs.float().pow(alpha).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
 
 
 def awq_search(
@@ -52,18 +64,12 @@ def awq_search(
     mean_abs = x.abs().mean(0)
     ref = x @ w.T
     errors: dict[float, float] = {}
-    best: tuple[float, torch.Tensor] | None = None
     for i in range(n_grid):
-        alpha = i / n_grid
-        s = mean_abs.pow(alpha).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
+        s = awq_scales(mean_abs, i / n_grid)
         w_hat = quantize_int4(w * s, group_size, symmetric).dequantize() / s
-        err = ((x @ w_hat.T - ref).pow(2).sum() / ref.pow(2).sum()).item()
-        errors[alpha] = err
-        if best is None or err < errors[best[0]]:
-            best = (alpha, s)
-    assert best is not None  # n_grid >= 1
-    return best[1], best[0], errors
+        errors[i / n_grid] = ((x @ w_hat.T - ref).pow(2).sum() / ref.pow(2).sum()).item()
+    alpha = min(errors, key=errors.__getitem__)
+    return awq_scales(mean_abs, alpha), alpha, errors
 
 
 def awq_clip(
@@ -110,28 +116,44 @@ def awq_smooth(
     batches: Iterable[torch.Tensor],
     scheme: str | Scheme = "int4-g128",
     n_grid: int = 20,
-    max_tokens: int = 4096,
+    max_tokens: int = 1024,
     clip: bool = False,
+    scope: str = "block",
+    clip_tokens: int = 512,
 ) -> dict[str, float]:
     """Search AWQ's scales for every scale group of every block and fold them into the
     model, in place, without quantizing: the float model computes the same function
-    (unless `clip`, which then also clamps the weights by `awq_clip`, on 512 tokens).
+    (unless `clip`, which then also clamps the weights by `awq_clip`, on `clip_tokens`).
+    `scope`: 'block' scores each candidate on the output of the module the group feeds
+    (the paper's way), 'linear' on the first linear's own output (cheaper, blinder).
+    Each candidate costs one forward of that module over `max_tokens` calibration tokens
+    (whole sequences; the channel statistics use every token): the knob that sets the
+    search's time on a CPU.
     Returns the chosen alpha per group ('layers.0.input_layernorm': 0.45, ...)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     if scheme.kind != "int4":
         raise ValueError(f"AWQ here targets int4 group-wise weights, got scheme {scheme}")
     if n_grid < 1:
         raise ValueError(f"n_grid must be at least 1 (alpha = 0 is round-to-nearest), got {n_grid}")
+    if scope not in ("block", "linear"):
+        raise ValueError(f"scope must be 'block' (the paper's loss) or 'linear', got {scope!r}")
+    g, sym = scheme.group_size, scheme.symmetric
     calib = calibration_states(model, batches)
     alphas: dict[str, float] = {}
     for i, block in enumerate(model.model.layers):
-        groups = scale_groups(block)
-        inputs = capture_inputs(block, calib, [g.linears[0] for g in groups])
-        for group in groups:
-            x = _rows(inputs[group.linears[0]], max_tokens)
-            s, alpha, _ = awq_search(
-                x, group_weight(block, group), scheme.group_size, scheme.symmetric, n_grid
-            )
+        for group in scale_groups(block):
+            if scope == "block":
+                probe = ModuleProbe(block, group, calib, max_tokens)
+                grid = {a / n_grid: awq_scales(probe.mean_abs, a / n_grid) for a in range(n_grid)}
+                alpha, _ = search_scales(
+                    probe, group, grid, lambda w: quantize_int4(w, g, sym).dequantize()
+                )
+                s = grid[alpha]
+            else:
+                x = capture_inputs(block, calib, [group.linears[0]])[group.linears[0]]
+                s, alpha, _ = awq_search(
+                    _rows(x, max_tokens), group_weight(block, group), g, sym, n_grid
+                )
             fold_scales(block, group, s)
             alphas[f"layers.{i}.{group.prev}"] = alpha
         if clip:
@@ -139,8 +161,7 @@ def awq_smooth(
             scaled = capture_inputs(block, calib, names)  # the inputs after folding
             for name in names:
                 lin = block.get_submodule(name)
-                x = _rows(scaled[name], 512)
-                lin.weight.copy_(awq_clip(x, lin.weight, scheme.group_size, scheme.symmetric))
+                lin.weight.copy_(awq_clip(_rows(scaled[name], clip_tokens), lin.weight, g, sym))
         run_block(block, calib)
     return alphas
 
@@ -150,10 +171,12 @@ def awq_quantize_model(
     batches: Iterable[torch.Tensor],
     scheme: str | Scheme = "int4-g128",
     n_grid: int = 20,
-    max_tokens: int = 4096,
+    max_tokens: int = 1024,
+    scope: str = "block",
+    clip_tokens: int = 512,
 ) -> Transformer:
     """AWQ: fold the searched scales and clip the weights (`awq_smooth(clip=True)`), then
     round every block linear to nearest in `scheme` (lm_head kept, as `quantize_model`
     does). In place; returns it."""
-    awq_smooth(model, batches, scheme, n_grid, max_tokens, clip=True)
+    awq_smooth(model, batches, scheme, n_grid, max_tokens, True, scope, clip_tokens)
     return quantize_model(model, scheme)

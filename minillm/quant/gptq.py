@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from minillm.model.transformer import Transformer
 from minillm.quant.formats import (
@@ -59,7 +60,7 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    return (q - (8.0 if zero is None else zero)) * scale.to(q.dtype)
+    return (q - (8.0 if zero is None else zero)) * scale
 
 
 def prepare_hessian(
@@ -112,22 +113,23 @@ def gptq_quantize(
         original[:, perm] = w
         s, z = int4_group_params(split_groups(original, group_size), symmetric)
         scale[:], zero = s, (None if z is None else z.to(dtype))
-    group_of = perm // group_size  # column (in quantization order) -> its group
+    scale_f = scale.to(dtype)  # the grid as the loop uses it (kept in step with `scale`)
+    group_of = (perm // group_size).tolist()  # column (in quantization order) -> its group
     codes = torch.zeros(out_f, in_f, dtype=dtype)
     for b0 in range(0, in_f, block_size):
         b1 = min(b0 + block_size, in_f)
         w1, err1 = w[:, b0:b1].clone(), torch.zeros(out_f, b1 - b0, dtype=dtype)
         for i in range(b1 - b0):
-            col, g = b0 + i, int(group_of[b0 + i])
+            col, g = b0 + i, group_of[b0 + i]
             if not act_order and col % group_size == 0:  # the group's grid from updated W
                 s, z = int4_group_params(w1[:, i : i + group_size], symmetric)
-                scale[:, g] = s
+                scale[:, g], scale_f[:, g] = s, s.to(dtype)
                 if zero is not None:
                     zero[:, g] = z.to(dtype)
             z = None if zero is None else zero[:, g]
-            q = int4_codes(w1[:, i], scale[:, g].to(dtype), z)
-            err = (w1[:, i] - _dequant(q, scale[:, g], z)) / u[col, col]
-            w1[:, i:] -= err[:, None] * u[col, col:b1][None, :]
+            q = int4_codes(w1[:, i], scale_f[:, g], z)
+            err = (w1[:, i] - _dequant(q, scale_f[:, g], z)) / u[col, col]
+            w1[:, i:].addr_(err, u[col, col:b1], alpha=-1)  # the error feedback
             codes[:, col], err1[:, i] = q, err
         w[:, b1:] -= err1 @ u[b0:b1, b1:]
     codes = codes[:, torch.argsort(perm)]
@@ -161,17 +163,44 @@ def gptq_quantize_model(
     for block in model.model.layers:
         names = block_linears(block)
         inputs = capture_inputs(block, calib, names)
-        for name in names:
-            lin = block.get_submodule(name)
+        for group in shared_inputs(names, inputs):
+            # Linears reading one input (q/k/v, gate/up) share its Hessian; GPTQ treats
+            # rows independently, so one call on their stacked rows gives each the same
+            # codes as its own call would, in one column loop instead of several.
+            lins = [block.get_submodule(name) for name in group]
             qw = gptq_quantize(
-                lin.weight.detach().float(),
-                hessian(inputs.pop(name)),
+                torch.cat([lin.weight.detach().float() for lin in lins]),
+                hessian(inputs[group[0]]),
                 scheme.group_size,
                 scheme.symmetric,
                 act_order,
                 damp,
                 block_size,
             )
-            replace_module(block, name, QuantLinear(lin, scheme, quantized=qw))
+            for name, lin, part in zip(group, lins, split_rows(qw, lins), strict=True):
+                replace_module(block, name, QuantLinear(lin, scheme, quantized=part))
         run_block(block, calib)
     return model
+
+
+def shared_inputs(names: list[str], inputs: dict[str, torch.Tensor]) -> list[list[str]]:
+    """`names` (in forward order) cut into runs of linears that received the same input."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and torch.equal(inputs[runs[-1][0]], inputs[name]):
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return runs
+
+
+def split_rows(qw: Int4Weight, linears: list[nn.Module]) -> list[Int4Weight]:
+    """The stacked weight cut back into one `Int4Weight` per linear (rows in order)."""
+    sizes = [lin.out_features for lin in linears]
+    parts = zip(
+        qw.packed.split(sizes),
+        qw.scale.split(sizes),
+        qw.zero.split(sizes) if qw.zero is not None else [None] * len(sizes),
+        strict=True,
+    )
+    return [Int4Weight(p, s, z, qw.group_size) for p, s, z in parts]

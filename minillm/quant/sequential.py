@@ -54,16 +54,17 @@ def run_block(block: Block, calib: Calibration) -> None:
 
 
 @torch.inference_mode()
-def capture_inputs(
+def capture_batches(
     block: Block, calib: Calibration, names: Sequence[str]
-) -> dict[str, torch.Tensor]:
-    """The input rows [tokens, in_features] that each named sub-module of `block` (a
-    name relative to the block, e.g. 'mlp.down_proj') receives over all batches. The
-    hidden states are left as they were."""
+) -> dict[str, list[torch.Tensor]]:
+    """The inputs each named sub-module of `block` (a name relative to the block, e.g.
+    'self_attn' or 'mlp.down_proj') receives, one [B, T, in] per calibration batch, in
+    fp32: what a module-level search replays (attention needs whole sequences, not rows).
+    The hidden states are left as they were."""
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     hooks = [
         block.get_submodule(name).register_forward_pre_hook(
-            lambda mod, args, name=name: seen[name].append(args[0].flatten(0, -2).float())
+            lambda mod, args, name=name: seen[name].append(args[0].float())
         )
         for name in names
     ]
@@ -73,7 +74,17 @@ def capture_inputs(
     finally:
         for h in hooks:
             h.remove()
-    return {name: torch.cat(rows) for name, rows in seen.items()}
+    return seen
+
+
+def capture_inputs(
+    block: Block, calib: Calibration, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """The input rows [tokens, in_features] that each named sub-module of `block`
+    receives over all batches (`capture_batches`, flattened to rows: what a per-linear
+    statistic such as GPTQ's Hessian needs)."""
+    batches = capture_batches(block, calib, names)
+    return {name: torch.cat([x.flatten(0, -2) for x in xs]) for name, xs in batches.items()}
 
 
 def block_linears(block: nn.Module) -> list[str]:

@@ -15,18 +15,35 @@ of x by s_j and multiply the weight's column j by it (folded into the norm befor
 alpha = 0.5 splits the range evenly; more alpha pushes more of it into the weights.
 Then weights are int8 per output channel and activations int8 per token or per tensor,
 fake-quantized by `QuantLinear` (`set_activation_quant`).
+
+One alpha for the whole model is the paper's recipe. Layers differ, though: a linear whose
+input carries a "massive activation" (thousands of times its median channel, on a few
+tokens) wants most of the range moved into its weights, its neighbours much less. Given a
+tuple of alphas, `smoothquant_model` picks one per scale group: the alpha whose W8A8
+rounding leaves the least error at the output of the module the group feeds, on the
+calibration tokens (`search_smooth_model`, the search AWQ uses: `scale_search`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from minillm.model.transformer import Transformer
-from minillm.quant.linear import activation_absmax, quantize_model, set_activation_quant
+from minillm.quant.formats import absmax_quantize, dequantize
+from minillm.quant.linear import (
+    activation_absmax,
+    fake_quant_activations,
+    quantize_model,
+    set_activation_quant,
+)
+from minillm.quant.scale_search import ModuleProbe, search_scales
+from minillm.quant.sequential import calibration_states, run_block
 from minillm.quant.smoothing import fold_scales, group_weight, scale_groups
+
+ALPHAS = tuple(round(0.05 * i, 2) for i in range(4, 19))  # 0.2, 0.25, ..., 0.9
 
 
 def calibration_absmax(
@@ -61,16 +78,59 @@ def smooth_model(model: Transformer, batches: Iterable[torch.Tensor], alpha: flo
             fold_scales(block, group, smoothing_scales(amax, group_weight(block, group), alpha))
 
 
+@torch.inference_mode()
+def search_smooth_model(
+    model: Transformer,
+    batches: Iterable[torch.Tensor],
+    alphas: Sequence[float] = ALPHAS,
+    act: str = "token",
+    max_tokens: int = 2048,
+) -> dict[str, float]:
+    """Fold SmoothQuant's scales into every scale group, each with the alpha (of `alphas`)
+    whose int8 weights (per channel) and int8 activations (`act`) leave the least error
+    at the output of the module the group feeds. In place; the float model computes the
+    same function. Returns the chosen alpha per group ('layers.11.mlp.up_proj': 0.85)."""
+    if not alphas:
+        raise ValueError("give at least one alpha to search, e.g. ALPHAS")
+    calib = calibration_states(model, batches)
+    chosen: dict[str, float] = {}
+    for i, block in enumerate(model.model.layers):
+        for group in scale_groups(block):
+            probe = ModuleProbe(block, group, calib, max_tokens)
+            w = group_weight(block, group)
+            grid = {a: smoothing_scales(probe.absmax, w, a) for a in alphas}
+            alpha, _ = search_scales(
+                probe,
+                group,
+                grid,
+                lambda t: dequantize(*absmax_quantize(t, 8, per_channel=True)),
+                lambda x: fake_quant_activations(x, act),
+            )
+            fold_scales(block, group, grid[alpha])
+            chosen[f"layers.{i}.{group.prev}"] = alpha
+        run_block(block, calib)
+    return chosen
+
+
 def smoothquant_model(
     model: Transformer,
     batches: Iterable[torch.Tensor],
-    alpha: float = 0.5,
+    alpha: float | Sequence[float] = 0.5,
     act: str = "token",
+    keep: Sequence[str] = ("lm_head",),
+    max_tokens: int = 2048,
 ) -> Transformer:
-    """W8A8: smooth (alpha), then int8 per-channel weights and int8 activations per
-    'token' or per 'tensor' (dynamic scales), lm_head kept. In place; returns the model."""
-    smooth_model(model, batches, alpha)
-    quantize_model(model, "int8")
+    """W8A8: smooth, then int8 per-channel weights and int8 activations per 'token' or per
+    'tensor' (dynamic scales). `alpha`: one value for every layer (the paper's recipe), or
+    a sequence to search per scale group (`search_smooth_model`, each candidate scored on
+    `max_tokens` calibration tokens). The linears named in
+    `keep` stay in full precision (lm_head by default; anything else kept is a mixed-
+    precision model and must be reported as one). In place; returns the model."""
+    if isinstance(alpha, int | float):
+        smooth_model(model, batches, float(alpha))
+    else:
+        search_smooth_model(model, batches, tuple(alpha), act, max_tokens)
+    quantize_model(model, "int8", keep=keep)
     set_activation_quant(model, act)
     return model
 

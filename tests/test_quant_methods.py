@@ -1,0 +1,35 @@
+"""benchmarks/quant_methods.py: its one-pass scorer equals the course's evaluator, and a
+small run produces the table and the SUMMARY line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from benchmarks import quant_methods
+from minillm import load_tokenizer
+from minillm.quant import quantize_model
+from minillm.training import held_out_ids, next_token_agreement, perplexity
+
+
+def test_score_equals_perplexity_and_agreement(model) -> None:
+    ids = held_out_ids(load_tokenizer())[: 3 * 64 + 1]
+    x, y = quant_methods.windows(ids, 3, window=64)
+    q = quantize_model(copy.deepcopy(model), "int4-g32")
+    top1 = model(x).argmax(-1)
+    ppl, agree = quant_methods.score(q, x, y, top1, batch=2)
+    assert ppl == pytest.approx(perplexity(q, ids, 64, max_windows=3), rel=1e-5)
+    assert agree == pytest.approx(next_token_agreement(model, q, ids, 64, max_windows=3))
+
+
+def test_a_small_run_prints_its_table(capsys) -> None:
+    result = quant_methods.main(
+        ["--only", "FP8", "AWQ", "--windows", "2", "--calib", "1", "--quick", "--alphas", "0.5"]
+    )
+    rows = result["rows"]
+    assert {"fp32", "RTN int4 g128", "AWQ int4 g128", "FP8 e4m3 W(ch)+A(tensor)"} <= set(rows)
+    assert "GPTQ int4 g128" not in rows  # --only left it out
+    assert rows["fp32"]["ppl_delta"] == 0 and rows["RTN int4 g128"]["speed"] > 0
+    assert rows["AWQ int4 g128"]["bytes"] == rows["RTN int4 g128"]["bytes"]
+    assert "SUMMARY quant_methods bundled" in capsys.readouterr().out
