@@ -135,3 +135,15 @@ def test_cuda_profile_reads_a_positive_peak(model):
     total, other, peak = memory.profile_cuda(gpu, 512, 8)
     assert total > 0 and peak > 0 and other >= 0
     model.to("cpu")
+
+
+def test_serve_cli_passes_the_knobs_to_the_engine(monkeypatch):
+    from minillm import cli
+    from minillm.serving import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda **kwargs: seen.update(kwargs))
+    argv = ["serve", "--gpu-memory-utilization", "0.5", "--seed", "3"]
+    cli.main([*argv, "--max-num-batched-tokens", "64"])
+    assert seen["gpu_memory_utilization"] == 0.5 and seen["seed"] == 3
+    assert seen["max_num_batched_tokens"] == 64

@@ -9,6 +9,9 @@ works the pool out from what is left once the model is in and one worst-case ste
 The worst-case step is a forward of `max_num_batched_tokens` tokens (the scheduler never
 puts more in one step), so its peak is the most activation memory a step will need. The
 engine does the same on a GPU (`profile_cuda`: one dummy forward, the allocator's peak).
+Not counted, as in vLLM's simpler versions: the CUDA context (a few hundred MiB outside
+torch's allocator) and the memory the decode steps' CUDA graphs keep once recorded; a
+fraction below 1 leaves room for both.
 
 A CPU has no allocator peak to read and shares its memory with everything else on the
 machine, so the rule there is documented instead of profiled (`cpu_pool_bytes`): the same
