@@ -3,6 +3,7 @@ and returns its figures and its checks ({"name", "passed", "detail"})."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import tempfile
 import time
@@ -264,10 +265,18 @@ def notebooks(run) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     checks = []
-    llm = LLM(dtype="auto", device=str(run.device))
+    # The KV pool is sized from a memory fraction (profiled on a GPU); half, not vLLM's 0.9,
+    # and released after, so that the checks below still have the GPU's memory.
+    llm = LLM(dtype="auto", device=str(run.device), gpu_memory_utilization=0.5)
     outputs = llm.generate(["And God said,"], SamplingParams(temperature=0, max_tokens=8))
     dtype = str(llm.engine.model.lm_head.weight.dtype)
+    plan = llm.engine.pool_plan
     out["08 LLM API"] = {"dtype": dtype, "text": outputs[0].outputs[0].text}
+    out["08 LLM API"]["kv_pool"] = plan.describe() if plan is not None else None
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     checks.append(check("08: LLM(dtype='auto') runs in bf16 on a GPU", run.cpu or "bf" in dtype))
 
     def compare(*backends: str) -> dict[str, Any]:

@@ -4,6 +4,8 @@
     python -m benchmarks.llama_cpp [--server llama-cpp-python] [--quick]
         [--model DIR] [--gguf FILE] [--requests N] [--repeats R] [--threads 1] [--json out.json]
 
+`--json`: the results and a "meta" entry (command, load average, date, summary line).
+
 Two llama.cpp servers can stand in for llama.cpp, both OpenAI-compatible like `minillm serve`:
 
 * `--server llama-server`: llama.cpp's own C++ server, built from the sources vendored in
@@ -54,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -340,8 +343,14 @@ def main() -> None:
         work = [(tokenizer.decode(p), k) for p, k in work]  # it takes text only
         results = run_llama_cpp_python(args, work, gguf)
         summary = report_llama_cpp_python(args, results, n, version)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, default=str))
+    if args.json:  # the results per C, and what produced them (load: the machine is shared)
+        meta = dict(command="python -m benchmarks.llama_cpp " + " ".join(sys.argv[1:]))
+        meta |= dict(server=version, model=model, requests=n, repeats=args.repeats)
+        meta |= dict(output_tokens=sum(k for _, k in work), threads=args.threads)
+        meta |= dict(kv_cache=args.kv_cache, concurrency=args.concurrency, summary=summary)
+        meta |= dict(cpus=os.cpu_count(), load_average=os.getloadavg()[0])
+        meta["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=1, default=str))
     print("\n" + summary)
 
 

@@ -131,6 +131,9 @@ def _serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
         chat_template=args.chat_template,
         max_body_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
@@ -200,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks", type=int, default=None, help="KV blocks (default: all full-length)"
     )
     srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    srv.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="size the KV pool from this fraction of memory, as vLLM does (unless --num-blocks)",
+    )
+    srv.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step"
+    )
+    srv.add_argument("--seed", type=int, default=None, help="seeds the unseeded requests")
     srv.add_argument(
         "--chat-template", default=None, help="a Jinja file used instead of the model's own"
     )

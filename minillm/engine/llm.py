@@ -25,25 +25,48 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    """A model and an engine; `generate` runs a list of prompts to completion."""
+    """A model and an engine; `generate` runs a list of prompts to completion.
+
+    vLLM's engine-level arguments do what they do there:
+
+    - `seed`: the engine's RNG; requests without a seed of their own draw one from it in
+      arrival order, so the same prompts give the same samples run after run (a request's
+      own `SamplingParams(seed=...)` still wins). None: unseeded requests differ each run.
+    - `gpu_memory_utilization`: the KV pool is sized from this fraction of memory, after the
+      weights and a profiled forward of `max_num_batched_tokens` tokens
+      (`minillm.engine.memory`; on a CPU a documented rule). `num_blocks` (or vLLM's
+      `num_gpu_blocks_override`) sets the pool's size instead.
+    - `max_num_batched_tokens`: the scheduler's token budget per step; `max_num_seqs`: the
+      most sequences running at once (both go to the `Engine` with the other keywords).
+    - `tensor_parallel_size` and `pipeline_parallel_size` other than 1 are refused:
+      minillm runs on one device.
+    """
 
     def __init__(
         self,
         model: str | None = None,
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
-        seed: int | None = None,  # accepted for vLLM compatibility; requests seed themselves
+        seed: int | None = None,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,  # accepted; size the pool with num_blocks
+        pipeline_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
         **engine_kwargs,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError("minillm runs on one device: use tensor_parallel_size=1")
+        check_single_device(tensor_parallel_size, pipeline_parallel_size)
+        if "num_gpu_blocks_override" in engine_kwargs:  # vLLM's name for a fixed pool size
+            engine_kwargs["num_blocks"] = engine_kwargs.pop("num_gpu_blocks_override")
         self.model_name = model or "minillm-bundled"
         self.tokenizer = load_tokenizer(model)
         # dtype "auto": bf16 on a GPU, fp32 on a CPU (vLLM's "auto" reads the checkpoint)
         weights = load_model(model, dtype=dtype, device=device or "auto")
-        self.engine = Engine(weights, self.tokenizer, **engine_kwargs)
+        self.engine = Engine(
+            weights,
+            self.tokenizer,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            **engine_kwargs,
+        )
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -98,6 +121,29 @@ class LLM:
                 if request_id not in done:
                     self.engine.abort(request_id)
         return [done[r] for r in ids]
+
+
+def check_single_device(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Refuse model parallelism: minillm runs the whole model on one device."""
+    for name, size, what in [
+        (
+            "tensor_parallel_size",
+            tensor_parallel_size,
+            "split every layer's weight matrices across that many GPUs (each computes a slice "
+            "of every matmul and an all-reduce joins them), for a model too big for one GPU or "
+            "to cut each step's time",
+        ),
+        (
+            "pipeline_parallel_size",
+            pipeline_parallel_size,
+            "place consecutive layers on that many GPUs and stream micro-batches through them",
+        ),
+    ]:
+        if size != 1:
+            raise ValueError(
+                f"{name}={size}: minillm runs the whole model on one device, so use {name}=1. "
+                f"In vLLM it would {what}."
+            )
 
 
 def _unwrap(prompt: Prompt) -> str | list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.limits import check_request
+from minillm.engine.memory import SWAP_SPACE, pool_blocks
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.engine.scheduler import Batch, Scheduler
@@ -89,39 +91,38 @@ class Engine:
         decode_mode: str | None = None,
         kv_cache_dtype: str = "auto",
         max_logprobs: int = 20,
+        gpu_memory_utilization: float | None = None,
+        seed: int | None = None,
     ) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_logprobs = max_logprobs  # vLLM's limit on logprobs / prompt_logprobs
+        # vLLM's LLM(seed=...): unseeded requests draw their seeds from this, in arrival order
+        self.seeds = random.Random(seed) if seed is not None else None
         on_gpu = model.lm_head.weight.is_cuda
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
             use_kernel = on_gpu and kv_cache_dtype == "auto"  # the kernel reads unquantized K/V
         if decode_mode is None:  # decode steps: CUDA graphs on a GPU, plain Python on a CPU
             decode_mode = "cuda_graph" if on_gpu else "eager"
         self.context = model.config.max_position_embeddings
-        if num_blocks is None:  # every running sequence can reach the full context
-            num_blocks = max_num_seqs * -(-self.context // block_size)
-        if num_swap_blocks is None:  # swap space: as large as the device pool, when swapping
-            num_swap_blocks = num_blocks if preemption_mode == "swap" else 0
+        # num_blocks, else a fraction of memory (memory.py), else every sequence at full context
+        num_blocks, self.pool_plan = pool_blocks(
+            model, num_blocks, gpu_memory_utilization, block_size, max_num_seqs,
+            max_num_batched_tokens, kv_cache_dtype,
+        )  # fmt: skip
+        if num_swap_blocks is None:  # swap space: the pool's size (sized from memory: <= 4 GiB)
+            cap = SWAP_SPACE // (self.pool_plan.bytes_per_block if self.pool_plan else 1)
+            num_swap_blocks = min(num_blocks, cap) if preemption_mode == "swap" else 0
         self.manager = BlockManager(
             num_blocks, block_size, prefix_cache, num_swap_blocks=num_swap_blocks
         )
         self.scheduler = Scheduler(
-            self.manager,
-            max_num_seqs,
-            max_num_batched_tokens,
-            chunked_prefill,
-            static,
+            self.manager, max_num_seqs, max_num_batched_tokens, chunked_prefill, static,
             preemption_mode,
-        )
+        )  # fmt: skip
         self.runner = ModelRunner(
-            model,
-            self.manager,
-            use_kernel,
-            num_swap_blocks,
-            decode_mode,
-            max_num_seqs,
+            model, self.manager, use_kernel, num_swap_blocks, decode_mode, max_num_seqs,
             kv_cache_dtype,
-        )
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_steps = self.num_prompt_tokens = self.num_generated_tokens = 0
@@ -141,6 +142,8 @@ class Engine:
         """Queue a prompt (text or token ids). Raises ValueError, queuing nothing, if it
         can never run: empty, longer than the context, or more blocks than the pool has."""
         params = params or SamplingParams()
+        if params.seed is None and self.seeds is not None:  # the engine's seed decides it
+            params = replace(params, seed=self.seeds.randrange(2**62))
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)

@@ -1,0 +1,130 @@
+"""Every notebook keeps its word, read as JSON (nbval runs them; nothing is executed here):
+
+- the names its prose calls by the notebook's own import aliases exist (`trt.build`; full
+  paths and dotted names are checked by test_references.py);
+- its committed outputs read well unrun, as GitHub and an untrusted Jupyter show them: no
+  frozen progress bars, no widget reprs, no committed errors, no compiler log spam;
+- it opens clean in JupyterLab (the kernelspec JupyterLab writes back);
+- it says what the chapter builds at the start and bridges to the next chapter at the end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(DIR.glob("[0-9][0-9]_*.ipynb"))
+ALIASED = re.compile(r"`(\w+)\.(\w+)")
+GLOG = re.compile(r"^[WIE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\.py:\d+\]", re.M)  # torch's logs
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+@cache
+def cells(name: str) -> list[dict]:
+    return json.loads(DIR.joinpath(name).read_text())["cells"]
+
+
+def text(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def prose(name: str) -> str:
+    return "\n".join(text(c) for c in cells(name) if c["cell_type"] == "markdown")
+
+
+def module_aliases(name: str) -> dict[str, str]:
+    """alias -> module, from the notebook's own imports of course modules (`from minillm.export
+    import tensorrt as trt`, `import minillm.kernels.flash_prefill as fp`)."""
+    code = "\n".join(text(c) for c in cells(name) if c["cell_type"] == "code")
+    found = {}
+    for pkg, names in re.findall(
+        r"^\s*from ((?:minillm|benchmarks)[\w.]*) import ([^(\n]+)", code, re.M
+    ):
+        for part in names.split("#")[0].split(","):
+            target, _, alias = part.strip().partition(" as ")
+            found[alias or target] = f"{pkg}.{target}"
+    for module, alias in re.findall(
+        r"^\s*import ((?:minillm|benchmarks)[\w.]*) as (\w+)", code, re.M
+    ):
+        found[alias] = module
+    return {a: m for a, m in found.items() if a and resolve(m) is not None}
+
+
+def resolve(dotted: str) -> object | None:
+    """The object `dotted` names (a module, or an attribute path inside one), or None."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return None
+            obj = getattr(obj, attr)
+        return obj
+    return None
+
+
+NAMES = [p.name for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_names_its_prose_calls_by_alias_exist(name):
+    """`trt.compare_backends`, where the notebook imported `... tensorrt as trt` (full paths
+    and dotted `minillm.` names are test_references.py's)."""
+    missing = []
+    aliases = module_aliases(name)
+    for alias, attr in set(ALIASED.findall(prose(name))):
+        module = aliases.get(alias)
+        if attr == "py":  # `model_runner.py`: a file name, not an attribute
+            continue
+        if (
+            isinstance(resolve(module) if module else None, ModuleType)
+            and resolve(f"{module}.{attr}") is None
+        ):
+            missing.append(f"{alias}.{attr} ({module})")
+    assert not missing, f"{name}'s prose names symbols that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_outputs_read_well_unrun(name):
+    for i, cell in enumerate(cells(name)):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            shown = "".join(out.get("text", "")) + "".join(data.get("text/plain", ""))
+            where = f"{name} cell {i}"
+            assert out.get("output_type") != "error", f"{where}: an error is committed"
+            assert "application/vnd.jupyter.widget-view+json" not in data, f"{where}: a widget"
+            assert not re.search(r"^(interactive|VBox|HBox)\(children=", shown), (
+                f"{where}: a widget repr"
+            )
+            assert not re.search(r"\d+%\|[^\n]*\| *0/\d", shown), f"{where}: a frozen progress bar"
+            assert not GLOG.search(shown), f"{where}: compiler log lines (quiet them in code)"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_it_opens_clean_in_jupyterlab(name):
+    metadata = json.loads(DIR.joinpath(name).read_text())["metadata"]
+    assert metadata.get("kernelspec") == KERNELSPEC, f"{name}: save it with JupyterLab's kernelspec"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_it_starts_with_a_plan_and_ends_with_a_bridge(name):
+    markdown = [text(c).lower() for c in cells(name) if c["cell_type"] == "markdown"]
+    opening = "\n".join(markdown[:3])
+    assert re.search(r"you will|you'll|what you build|build and measure", opening), (
+        f"{name}: its first cells should say what the chapter builds and measures"
+    )
+    closing = "\n".join(markdown[-3:])
+    assert re.search(r"next|bridge|what is left|what's left|chapter \d\d", closing), (
+        f"{name}: its last cells should say what problem is left for the next chapter"
+    )
