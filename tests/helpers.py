@@ -1,6 +1,27 @@
 """Small helpers shared by the package tests."""
 
+import importlib
+from functools import cache
+
 from minillm import SamplingParams
+
+
+@cache
+def resolve(dotted: str) -> object | None:
+    """The object a dotted name names (a module, or an attribute path inside one: prose's
+    `minillm.cache.paged.PagedKVCache`), or None when nothing answers to it."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return None
+            obj = getattr(obj, attr)
+        return obj
+    return None
 
 
 def greedy(n: int, **kw) -> SamplingParams:

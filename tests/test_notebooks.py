@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from functools import cache
@@ -18,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "notebooks"
@@ -56,22 +56,6 @@ def module_aliases(name: str) -> dict[str, str]:
     ):
         found[alias] = module
     return {a: m for a, m in found.items() if a and resolve(m) is not None}
-
-
-def resolve(dotted: str) -> object | None:
-    """The object `dotted` names (a module, or an attribute path inside one), or None."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj: object = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return None
-            obj = getattr(obj, attr)
-        return obj
-    return None
 
 
 NAMES = [p.name for p in NOTEBOOKS]

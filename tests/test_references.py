@@ -9,13 +9,12 @@ notebook cell and the package's own source text, and checks each repository path
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
-from functools import cache
 from pathlib import Path
 
 import pytest
+from helpers import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [
@@ -46,22 +45,6 @@ def _text(path: Path) -> str:
     return "\n".join("".join(cell["source"]) for cell in nb["cells"])  # not the outputs
 
 
-@cache
-def _resolves(name: str) -> bool:
-    parts = name.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
-            continue
-        for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return False
-            obj = getattr(obj, attr)
-        return True
-    return False
-
-
 def _references() -> list[tuple[str, str, str]]:
     refs = []
     for doc in DOCS:
@@ -87,7 +70,7 @@ def test_every_reference_exists(doc: str) -> None:
     for d, kind, ref in REFS:
         if d != doc or ref in IGNORED_NAMES or "chNN" in ref:
             continue
-        ok = (ROOT / ref).exists() if kind == "path" else _resolves(ref)
+        ok = (ROOT / ref).exists() if kind == "path" else resolve(ref) is not None
         if not ok:
             missing.append(ref)
     assert not missing, f"{doc} names what does not exist: {missing}"
