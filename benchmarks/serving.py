@@ -50,6 +50,7 @@ from minillm.engine import Engine, RequestOutput, SamplingParams
 from minillm.engine.llm_engine import final_only
 from minillm.lab import paired_ratios, time_samples
 from minillm.model import BUNDLED_DIR
+from minillm.model.weights import resolve_model_dir
 from minillm.training import first_divergence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,11 +119,14 @@ def slot_utilisation(engine: Engine, batch: int) -> float:
     return sum(decodes) / (len(decodes) * batch)
 
 
-def hf_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """The bundled checkpoint in transformers, for the `generate` baseline."""
+def hf_model(
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, model: str | None = None
+):
+    """A checkpoint in transformers (None: the bundled one; or a name such as smollm2, or
+    a directory), for the `generate` baseline."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), dtype=dtype)
     return hf.to(device).eval()
 
 
@@ -354,9 +358,11 @@ async def poisson_run(
     }
 
 
-def online(work, rates: list[float], batch: int = 32) -> list[dict[str, Any]]:
+def online(
+    work, rates: list[float], batch: int = 32, model: str | None = None
+) -> list[dict[str, Any]]:
     port = free_port()
-    proc = start_server(port, batch)
+    proc = start_server(port, batch, model)
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
         run_async(poisson_run(url, work[:4], math.inf))  # warm-up
@@ -378,6 +384,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="default 32 (quick: 16)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default=None, help="bundled (default), smollm2, or a dir")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-online", action="store_true")
     parser.add_argument("--json", default=None)
@@ -386,9 +393,9 @@ def main() -> None:
     n = args.requests or (48 if args.quick else 128)
     args.batch = args.batch or (16 if args.quick else 32)
     repeats = args.repeats or (1 if args.quick else 3)
-    model, tokenizer = load_model(), load_tokenizer()
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     work = make_workload(tokenizer, n)
-    hf = None if args.no_hf else hf_model()
+    hf = None if args.no_hf else hf_model(model=args.model)
     print(
         f"workload: {n} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
         f"{sum(k for _, k in work)} output tokens; batch {args.batch}; torch threads "
@@ -441,7 +448,7 @@ def main() -> None:
         fractions = [0.25, 1.0] if args.quick else [0.25, 0.5, 1.0]
         rates = [f * capacity for f in fractions] + [math.inf]
         print(f"\n(b) online, Poisson arrivals (offline capacity {capacity:.1f} req/s)")
-        rows = online(work, rates, args.batch)
+        rows = online(work, rates, args.batch, args.model)
         results["online"] = rows
         print(
             "  rate req/s | done req/s | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 | "
