@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--eval", choices=sorted(EVAL_TEXTS), default="kjv", help="scoring text")
     ap.add_argument("--calib", type=int, default=4, help="calibration batches of 4 x 256 tokens")
     ap.add_argument("--only", nargs="+", default=None, help="rows whose name has one of these")
+    ap.add_argument(
+        "--awq-tokens", type=int, default=None, help="calibration tokens AWQ scores each scale on"
+    )
     ap.add_argument("--quick", action="store_true", help="fewer windows and timing rounds")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
@@ -256,7 +259,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     speed = format_speed(base, g, 3 if args.quick else 9)
     chosen = {
         label: entry
-        for label, entry in methods(g, args.alphas).items()
+        for label, entry in methods(
+            g, args.alphas, {"max_tokens": args.awq_tokens} if args.awq_tokens else None
+        ).items()
         if args.only is None
         or label in ("fp32", f"RTN int4 g{g}")
         or any(word in label for word in args.only)
