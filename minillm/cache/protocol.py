@@ -13,6 +13,7 @@ this layer sits below the model and imports nothing from it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
@@ -40,18 +41,21 @@ class Cache(Protocol):
         ...
 
 
-class SdpaCache:
+class SdpaCache(ABC):
     """A cache that attends the plain PyTorch way: `update` stores this step's K/V and
     returns all of the row's K/V, `causal_mask` says which of those slots each query may
-    see, and SDPA does the rest. Subclasses write those two methods."""
+    see, and SDPA does the rest. Subclasses write those two methods (a subclass missing
+    one cannot be instantiated)."""
 
+    @abstractmethod
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Store k, v [B, kv_heads, T, head_dim] at `positions`; return the row's K/V."""
 
+    @abstractmethod
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """[B, 1, T, S] bool: which cached slots each query at `positions` may see."""
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
