@@ -30,7 +30,8 @@ from benchmarks import report
 from benchmarks.paged import BUDGET, make_trace, simulate
 from minillm import SamplingParams, load_model, load_tokenizer
 from minillm.cache import KVCache
-from minillm.cache.kv_quant import KV_CACHE_DTYPES, KVQuant
+from minillm.cache.kv_quant import KV_CACHE_DTYPES
+from minillm.engine.memory import kv_bytes_per_block
 from minillm.generation.cached import decode, eager_decode_step, prefill
 from minillm.model import ModelConfig, Transformer
 from minillm.training import factbook_ids, first_divergence, perplexity
@@ -39,13 +40,11 @@ FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 SEED = 0
 
 
-def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, itemsize: int = 2) -> int:
-    """K and V of one token over all layers: codes and scales when quantized, else
-    `itemsize` bytes per value (2: bf16, what a GPU server stores)."""
-    vector = cfg.head_dim * itemsize
-    if kv_cache_dtype in KV_CACHE_DTYPES:
-        vector = KVQuant(kv_cache_dtype).bytes_per_vector(cfg.head_dim)
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * vector
+def bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str) -> int:
+    """K and V of one token over all layers: codes and scales when quantized, else bf16
+    (what a GPU server stores). The engine's pool arithmetic with a block of one token."""
+    quantized = kv_cache_dtype in KV_CACHE_DTYPES
+    return kv_bytes_per_block(cfg, 1, torch.bfloat16, kv_cache_dtype if quantized else "auto")
 
 
 def memory_table(cfg: ModelConfig, requests: int) -> list[dict[str, Any]]:
