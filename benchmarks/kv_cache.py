@@ -36,15 +36,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import report
+from benchmarks import llama_cpp, report
 from minillm import SamplingParams, generate, generate_naive, load_model, load_tokenizer
 from minillm.cache import KVCache
+from minillm.export.gguf import export_gguf
+from minillm.generation.static import compile_decode_step
 from minillm.lab import format_bytes, measure_roofline, paired_ratios, profile_split, time_samples
 from minillm.model import (
     BUNDLED_DIR,
@@ -396,6 +400,8 @@ def compare_hf(
 
 # ------------------------------------------------------------------------- (d) roofline
 
+COMPILED = "compiled (frozen weights, max-autotune)"
+
 
 def matvec_fn(model: Transformer) -> Callable[[], Any]:
     """The decode step's matrix-vector products alone: one row through every linear weight
@@ -415,6 +421,32 @@ def matvec_fn(model: Transformer) -> Callable[[], Any]:
     return run
 
 
+def compiled_step_fn(model: Transformer, context: int) -> tuple[Callable[[], Any], float]:
+    """(the step of `step_fns(model, context)["cached"]` compiled with frozen weights and
+    max-autotune (`compile_decode_step(freeze=True)`), its compile seconds). A static
+    cache of `context` slots, all attended (chapter 05's fixed shapes): the same work as
+    the eager step's `context` filled slots."""
+    ids = random_ids(model, context)
+    weight = model.lm_head.weight
+    cache = KVCache(model.config, 1, context, weight.dtype, weight.device)
+    step = compile_decode_step("max-autotune-no-cudagraphs", freeze=True)
+    last, pos = ids[:, context - 1 :], torch.tensor([[context - 1]], device=weight.device)
+    with torch.inference_mode():
+        cache.kv_len = context - 1
+        if context > 1:
+            model(ids[:, : context - 1], cache=cache)
+        cache.kv_len = context
+        t0 = time.perf_counter()
+        step(model, cache, last, pos)
+        compile_s = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def compiled() -> torch.Tensor:
+        return step(model, cache, last, pos)
+
+    return compiled, compile_s
+
+
 def decode_roofline(
     model: Transformer | ModelConfig | dict[str, Any] = SMOLLM2_135M,
     context: int = 64,
@@ -422,13 +454,16 @@ def decode_roofline(
     copy_bytes: int = 512 * 2**20,
     split: bool = True,
     layout: bool | None = None,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Batch-1 cached decode at `context` tokens: tokens/s x bytes read per token (every
     weight once, plus the K/V read by attention) vs the read bandwidth measured here on a
     `copy_bytes` buffer (default: larger than any CPU cache: main memory). `model`: a
     model, or a config for a random-weight one. `layout` (default: on a CPU) also times a
-    copy with `decode_layout`'s weights. Where the time goes: the matrix-vector products
-    alone (`matvec_fn`) against the whole step, and `profile_split` of the step."""
+    copy with `decode_layout`'s weights; `compiled` also the step compiled with frozen
+    weights and max-autotune (`compiled_step_fn`: minutes of compile on SmolLM2). Where
+    the time goes: the matrix-vector products alone (`matvec_fn`) against the eager
+    steps, and `profile_split` of the fastest eager step."""
     if not isinstance(model, Transformer):
         model = random_model(model)
     weight = model.lm_head.weight
@@ -440,6 +475,9 @@ def decode_roofline(
     for label, m in models.items():
         fns[label] = step_fns(m, context)["cached"]
         fns[f"{label}: matvecs"] = matvec_fn(m)
+    compile_s = None
+    if compiled:
+        fns[COMPILED], compile_s = compiled_step_fn(model, context)
     roof = measure_roofline(weight.device, copy_bytes=copy_bytes)
     samples = time_samples(fns, repeats=repeats, warmup=2)
     # Best of `repeats`, like the ceilings it is compared with (best of their runs): on a
@@ -464,23 +502,29 @@ def decode_roofline(
         "bound_tokens_per_s": bound_tps,
         "variants": {},
     }
-    for label in models:
-        step_s, mv_s = best[label], best[f"{label}: matvecs"]
-        out["variants"][label] = {
+    ratios = paired_ratios(samples, "as loaded")
+    for label in [*models, *([COMPILED] if compiled else [])]:
+        step_s = best[label]
+        v = out["variants"][label] = {
             "tokens_per_s": 1 / step_s,
             "fraction_of_bound": (1 / step_s) / bound_tps,
             "achieved_Bps": per_token / step_s,
-            "matvec_share": mv_s / step_s,  # of a step's time: the products alone
-            "matvec_Bps": matvec_bytes / mv_s,
         }
+        if label in models:
+            mv_s = best[f"{label}: matvecs"]
+            v["matvec_share"] = mv_s / step_s  # of a step's time: the products alone
+            v["matvec_Bps"] = matvec_bytes / mv_s
         if label != "as loaded":
-            ratio = paired_ratios(samples, "as loaded")[label]
-            out["variants"][label]["speedup"] = 1 / ratio
-    top = out["variants"]["decode layout" if layout else "as loaded"]
+            v["speedup"] = 1 / ratios[label]
+    if compiled:
+        out["variants"][COMPILED]["compile_s"] = compile_s
+    out["best"] = max(out["variants"], key=lambda k: out["variants"][k]["tokens_per_s"])
+    top = out["variants"][out["best"]]
     out.update({k: top[k] for k in ("tokens_per_s", "fraction_of_bound", "achieved_Bps")})
-    out["best"] = "decode layout" if layout else "as loaded"
     if split:
-        s = profile_split(fns[out["best"]], repeats=3, warmup=1)
+        eager = max(models, key=lambda k: out["variants"][k]["tokens_per_s"])
+        out["split_of"] = eager
+        s = profile_split(fns[eager], repeats=3, warmup=1)
         out["split"] = s.fractions()
         # Bandwidth inside the kernels alone: the same-run step time, less its overhead share.
         out["kernel_Bps"] = out["achieved_Bps"] / s.kernel_fraction
@@ -554,14 +598,65 @@ def print_roofline(r: dict[str, Any], name: str = "SmolLM2-135M") -> None:
         gain = f", {v['speedup']:.2f}x as loaded" if "speedup" in v else ""
         print(
             f"  {label + ':':<15} {v['tokens_per_s']:.1f} tok/s = "
-            f"{v['achieved_Bps'] / 1e9:.1f} GB/s"
-            f" = {v['fraction_of_bound']:.0%} of the bound{gain}; matrix-vector products alone "
-            f"{v['matvec_share']:.0%} of the step, at {v['matvec_Bps'] / 1e9:.1f} GB/s "
-            f"({v['matvec_Bps'] / r['read_Bps']:.0%} of the read bandwidth)"
+            f"{v['achieved_Bps'] / 1e9:.1f} GB/s = {v['fraction_of_bound']:.0%} of the bound{gain}"
+        )
+        if "matvec_Bps" in v:
+            print(
+                f"    matrix-vector products alone {v['matvec_share']:.0%} of the step, at "
+                f"{v['matvec_Bps'] / 1e9:.1f} GB/s "
+                f"({v['matvec_Bps'] / r['read_Bps']:.0%} of the read bandwidth)"
+            )
+        if "compile_s" in v:
+            print(
+                f"    compiled in {v['compile_s']:.0f} s (a GEMM kernel timed and kept per shape)"
+            )
+    if "peer" in r:
+        p = r["peer"]
+        print(
+            f"  {p['name']}: {p['tokens_per_s']:.1f} tok/s = {p['fraction_of_bound']:.0%} of the "
+            f"bound (best of {len(p['rounds'])}); minillm's best is {p['minillm_vs_peer']:.2f}x it"
         )
     if "split" in r:
         parts = ", ".join(f"{k} {v:.0%}" for k, v in r["split"].items())
-        print(f"  where a step's time goes ({r['best']}, profiler): {parts}")
+        print(f"  where an eager step's time goes ({r['split_of']}, profiler): {parts}")
+
+
+def llama_cpp_peer(
+    model: Transformer, name: str | None, roof: dict[str, Any], context: int, rounds: int
+) -> dict[str, Any]:
+    """llama.cpp decoding `model`'s checkpoint `name` (written as an f32 GGUF) at batch 1,
+    with this process's thread count: `context` tokens after a prompt of context/2, on
+    average the roofline step's context. Best of `rounds`, like the variants."""
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = export_gguf(resolve_model_dir(name), Path(tmp) / "model-f32.gguf")
+        prompt = random_ids(model, context // 2)[0].tolist()
+        speeds = llama_cpp.decode_tokens_per_s(
+            gguf, prompt, context, rounds, threads=torch.get_num_threads()
+        )
+    best = max(speeds)
+    return {
+        "name": "llama.cpp f32 (llama-server, 1 slot)",
+        "tokens_per_s": best,
+        "rounds": speeds,
+        "fraction_of_bound": best / roof["bound_tokens_per_s"],
+        "minillm_vs_peer": roof["tokens_per_s"] / best,
+    }
+
+
+def roofline_summary(r: dict[str, Any]) -> str:
+    v = r["variants"]
+    text = (
+        "decode at "
+        + ", ".join(f"{v[k]['fraction_of_bound']:.0%} ({k})" for k in v)
+        + f" of the read-bandwidth bound ({r['bound_tokens_per_s']:.1f} tok/s)"
+    )
+    if "peer" in r:
+        p = r["peer"]
+        text += (
+            f"; {p['name']} {p['fraction_of_bound']:.0%}: minillm ({r['best']}) at "
+            f"{p['minillm_vs_peer']:.2f}x its speed"
+        )
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -577,6 +672,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), ...")
+    ap.add_argument(
+        "--roofline",
+        action="store_true",
+        help="only part (d), with the compiled step on a CPU (a few minutes on SmolLM2)",
+    )
+    ap.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="(d) also times llama.cpp's batch-1 decode of the same weights as an f32 GGUF "
+        "(needs llama-server: python -m benchmarks.llama_server)",
+    )
     args = ap.parse_args(argv)
     run = report.start(f"kv-cache ({args.model})", args, seed=SEED)
     name = model_name(args.model)
@@ -599,8 +705,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         model_a, label_a = model, args.model
     print(f"(a) and the roofline on: {label_a}")
 
-    roof = decode_roofline(model, context=ctx, repeats=5 if args.quick else 10)
+    cpu = device.type == "cpu"
+    roof = decode_roofline(model, context=ctx, repeats=5 if args.quick else 10, compiled=cpu)
+    if args.llama_cpp:
+        roof["peer"] = llama_cpp_peer(model, name, roof, ctx, rounds=3 if args.quick else 5)
     print_roofline(roof, args.model)
+    if args.roofline:
+        return run.finish({"model": args.model, "roofline": roof}, roofline_summary(roof))
 
     hf = compare_hf(name, new_tokens, repeats=3 if args.quick else 5, device=device, dtype=dtype)
     print_hf(hf)
@@ -644,12 +755,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summary += f", use_cache=False {ratios['HF use_cache=False']:.2f}x"
     if "minillm, decode layout" in ratios:
         summary += f", minillm with the decode layout {ratios['minillm, decode layout']:.2f}x"
-    v = roof["variants"]
     summary += (
         f"; GQA saves {gqa[0]['saving']:.0f}x (SmolLM2-135M), {gqa[1]['saving']:.0f}x "
-        f"(Llama-3-8B); decode at "
-        + ", ".join(f"{v[k]['fraction_of_bound']:.0%} ({k})" for k in v)
-        + f" of the read-bandwidth bound ({roof['bound_tokens_per_s']:.1f} tok/s)"
+        f"(Llama-3-8B); {roofline_summary(roof)}"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

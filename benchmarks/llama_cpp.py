@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,36 @@ def stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ------------------------------------------------------------------ batch-1 decode speed
+def decode_tokens_per_s(
+    gguf: Path, prompt: list[int], tokens: int = 64, rounds: int = 5, threads: int = 1
+) -> list[float]:
+    """llama.cpp's own batch-1 decode speed on `gguf`: `rounds` greedy generations of
+    `tokens` tokens (EOS ignored) after `prompt` (token ids), one llama-server slot with an
+    f32 KV cache; per round, the decode tokens/s llama-server reports itself
+    (`timings.predicted_per_second`: its decode time alone, no HTTP or prefill). The
+    peer for minillm's batch-1 decode (benchmarks/kv_cache.py --roofline)."""
+    port = serving.free_port()
+    proc = llama_server.start(gguf, port, 1, threads=threads, ctx_per_slot=len(prompt) + tokens)
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True}
+    speeds = []
+    try:
+        for _ in range(rounds + 1):  # the first round warms up
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/completion",
+                data=json.dumps(body | {"cache_prompt": False}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                reply = json.load(resp)
+            if reply["timings"]["predicted_n"] != tokens:
+                raise RuntimeError(f"llama-server decoded {reply['timings']['predicted_n']} tokens")
+            speeds.append(reply["timings"]["predicted_per_second"])
+    finally:
+        stop([proc])
+    return speeds[1:]
 
 
 # ------------------------------------------------------------------ llama-server --parallel N

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from minillm import load_model, load_tokenizer
@@ -117,6 +118,35 @@ def slot_utilisation(engine: Engine, batch: int) -> float:
     """Mean running sequences per decode step over the batch size (needs engine.trace)."""
     decodes = [len(r.decode_ids) for r in engine.trace if not r.prefill_tokens]
     return sum(decodes) / (len(decodes) * batch)
+
+
+def decode_rows(engine: Engine) -> list[int]:
+    """Running sequences in each decode-only step (needs engine.trace)."""
+    return [len(r.decode_ids) for r in engine.trace if not r.prefill_tokens]
+
+
+def batching_model(rows: dict[str, list[int]], relative: dict[str, float]) -> dict[str, float]:
+    """Why continuous batching gains what it gains here, from its decode steps alone
+    (`rows`: mode -> rows of each decode-only step; prefill steps left out).
+    'flat': static decode steps / continuous ones, the speed-up if a step cost the same
+    at any batch size (a GPU's regime while reading the weights dominates a step).
+    'curve': the same steps costed on this machine's measured step-cost curve
+    (`decode_step_cost`'s relative costs, interpolated between its batch sizes): a CPU
+    step grows with its rows, so packing more rows per step saves less than steps."""
+    sizes = sorted(int(k.removeprefix("B=")) for k in relative)
+    costs = [relative[f"B={b}"] for b in sizes]
+
+    def cost(n: int) -> float:
+        if n >= sizes[-1]:  # beyond the curve: extend its last segment
+            slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
+            return costs[-1] + slope * (n - sizes[-1])
+        return float(np.interp(n, sizes, costs))
+
+    total = {mode: sum(cost(n) for n in r) for mode, r in rows.items()}
+    return {
+        "flat": len(rows["static"]) / len(rows["continuous"]),
+        "curve": total["static"] / total["continuous"],
+    }
 
 
 def hf_model(
@@ -234,6 +264,10 @@ def offline(model, tokenizer, work, batch: int = 32, repeats: int = 3, hf=None) 
         "utilisation": {
             "continuous": slot_utilisation(cont_engine, batch),
             "static": slot_utilisation(static_engine, batch),
+        },
+        "decode_rows": {
+            "continuous": decode_rows(cont_engine),
+            "static": decode_rows(static_engine),
         },
         "latency_continuous": engine_latencies(cont_outs),
         "latency_static": engine_latencies(static_outs),
@@ -419,6 +453,12 @@ def main() -> None:
         "  decode step cost vs batch 1 (interleaved): "
         + ", ".join(f"{k} {v:.2f}x" for k, v in cost["relative"].items())
     )
+    off["model"] = batching_model(off["decode_rows"], cost["relative"])
+    print(
+        f"  why: continuous takes {off['model']['flat']:.2f}x fewer decode steps (its speed-up "
+        "if a step cost the same at any batch size, a GPU's regime); costed on the step-cost "
+        f"curve above, those steps predict {off['model']['curve']:.2f}x (decode steps only)"
+    )
     if hf is not None:
         print(
             f"  HF generate (padded batches): {off['speedup_vs_hf']:.2f}x the time of "
@@ -436,7 +476,10 @@ def main() -> None:
     )
     if hf is not None:
         summary += f", {off['speedup_vs_hf']:.2f}x HF generate (padded)"
-    summary += f"; decode step at B=32 costs {cost['relative']['B=32']:.1f}x B=1"
+    summary += (
+        f"; decode step at B=32 costs {cost['relative']['B=32']:.1f}x B=1, so "
+        f"{off['model']['flat']:.2f}x fewer decode steps predict {off['model']['curve']:.2f}x"
+    )
     summary += (
         f"; slot utilisation {off['utilisation']['static']:.0%} static -> "
         f"{off['utilisation']['continuous']:.0%} continuous"

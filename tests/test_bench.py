@@ -200,3 +200,17 @@ def test_tensorrt_backend_loop_on_the_graph_tensorrt_compiles(model, prompts):
     tokens = greedy_without_cache(graph, req, lambda: stamps.append(1), "cpu")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert tokens == generate(model, [prompts[1]], params)[0] and len(stamps) == 6
+
+
+def test_batching_model_flat_and_curve_costs():
+    spec = importlib.util.spec_from_file_location("serving", ROOT / "benchmarks/serving.py")
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    rows = {"static": [4, 4, 2, 1], "continuous": [4, 4]}
+    flat = {"B=1": 1.0, "B=4": 1.0}  # a step costs the same at any batch: steps are time
+    assert serving.batching_model(rows, flat) == {"flat": 2.0, "curve": 2.0}
+    linear = {"B=1": 1.0, "B=4": 4.0}  # cost proportional to rows: only tokens count
+    got = serving.batching_model(rows, linear)
+    assert got["flat"] == 2.0 and got["curve"] == pytest.approx(11 / 8)
+    # beyond the measured sizes the last segment extends (here a step of 8 rows costs 8)
+    assert serving.batching_model({"static": [8], "continuous": [4]}, linear)["curve"] == 2.0

@@ -170,6 +170,25 @@ def test_inductor_step_matches_eager(tiny):
     assert counter.graphs == 1
 
 
+@pytest.mark.slow
+def test_frozen_weights_step_matches_eager_and_reads_each_new_cache(tiny):
+    """freeze=True makes the weights constants of the graph, never the K/V cache: the
+    compiled step, reused on a second call's new cache (other prompts), still reads and
+    writes that cache and gives generate's tokens."""
+    step = compile_decode_step("default", freeze=True)
+    for prompts in ([[5, 17, 3, 42, 8], [9, 1, 60], [7]], [[11, 2, 30], [4, 4, 4], [61, 9]]):
+        got = static_logits(tiny, prompts, 10, step)
+        for a, b in zip(got, static_logits(tiny, prompts, 10, decode_step), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        tokens = generate_static(tiny, prompts, greedy(10), compiled=step)
+        assert tokens == generate(tiny, prompts, greedy(10))
+
+
+def test_freeze_is_refused_without_inductor():
+    with pytest.raises(ValueError, match="inductor"):
+        compile_decode_step(backend="eager", freeze=True)
+
+
 def test_compiled_step_mutates_only_static_inputs(tiny):
     """Inductor records a CUDA graph only if every input the graph writes to is static
     (its address fixed across calls); otherwise it skips cudagraphs for "mutated inputs".

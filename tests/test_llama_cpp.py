@@ -290,3 +290,14 @@ def test_llama_server_parallel_batches_the_same_greedy_text(gguf_path, model, pr
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.llama_cpp
+@requires_llama_server
+def test_llama_server_decode_speed_is_its_own_timing(gguf_path, prompts):
+    """The batch-1 peer of benchmarks/kv_cache.py --roofline: one positive tokens/s per
+    round, each from a generation of exactly the asked length (EOS ignored)."""
+    from benchmarks import llama_cpp as bench
+
+    speeds = bench.decode_tokens_per_s(gguf_path, prompts[0], tokens=16, rounds=2)
+    assert len(speeds) == 2 and all(s > 0 for s in speeds)

@@ -60,6 +60,7 @@ def compile_decode_step(
     backend: Any = "inductor",
     dynamic: bool | None = False,
     step: StepFn = decode_step,
+    freeze: bool = False,
 ) -> StepFn:
     """`step` compiled with torch.compile (mode=None: `step` itself, eager).
 
@@ -76,11 +77,32 @@ def compile_decode_step(
     `dynamic=False` compiles for exact shapes (a new shape: a recompile). `backend` may
     be "eager"/"aot_eager" or a callable (e.g. `CompileCounter`) to study capture
     without paying for code generation; `mode` then must be "default".
+
+    `freeze=True` (inductor only; the first call must run under `torch.inference_mode()`
+    or `no_grad`) treats the model's weights as constants of the graph (inductor's
+    "freezing"): it may re-lay them out once at compile time, keeping a second copy, and
+    must not see them change afterwards (compile again after quantizing or loading new
+    weights). What it buys on a CPU: with "max-autotune-no-cudagraphs", inductor can then
+    benchmark its own C++ GEMM template against the MKL call and keep the winner. For a
+    decode step (one row times each weight: a matrix-vector product) the template, fed
+    weights it packed itself, streams them much faster than MKL reads PyTorch's layout
+    (`benchmarks/kv_cache.py` part (d) measures both on SmolLM2).
     """
     if mode is None:
         return step
     kwargs: dict[str, Any] = dict(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
-    if mode != "default":
+    if freeze:
+        if backend != "inductor":
+            raise ValueError(f"freeze=True is an inductor option, got backend={backend!r}")
+        # torch.compile takes a mode or an options dict, not both: spell the mode out,
+        # without the timing table max-autotune prints for every matmul it tunes.
+        kwargs["options"] = {
+            "freezing": True,
+            **torch._inductor.list_mode_options(mode),
+            "autotune_num_choices_displayed": 0,
+            "max_autotune_report_choices_stats": False,
+        }
+    elif mode != "default":
         kwargs["mode"] = mode
     return torch.compile(step, **kwargs)
 
