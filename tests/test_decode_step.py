@@ -2,6 +2,8 @@
 recompiles. Graph capture is checked with cheap backends ("eager", "aot_eager"); the one
 real inductor compile (~40 s on a 2-core CPU) is marked slow."""
 
+import copy
+
 import pytest
 import torch
 from helpers import greedy
@@ -182,6 +184,25 @@ def test_frozen_weights_step_matches_eager_and_reads_each_new_cache(tiny):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         tokens = generate_static(tiny, prompts, greedy(10), compiled=step)
         assert tokens == generate(tiny, prompts, greedy(10))
+
+
+@pytest.mark.slow
+def test_frozen_step_keeps_the_weights_it_compiled_with(tiny):
+    """Freezing really happened (in torch 2.13 `options={"freezing": True}` is accepted and
+    ignored): after an in-place edit of a weight the frozen step still computes with the
+    weights it compiled, the plain compiled step with the edited ones."""
+    outs = {}
+    for freeze in (True, False):
+        torch._dynamo.reset()
+        model = copy.deepcopy(tiny)
+        step = compile_decode_step("default", freeze=freeze)
+        with torch.inference_mode():
+            cache, logits, pos = static_prefill(model, [[5, 6, 7]], 4)
+            args = (model, cache, logits.argmax(-1)[:, None], pos[:, None])
+            before = step(*args)
+            model.model.layers[0].mlp.down_proj.weight.mul_(2)  # not tied to anything
+            outs[freeze] = torch.equal(before, step(*args))
+    assert outs == {True: True, False: False}
 
 
 def test_freeze_is_refused_without_inductor():
