@@ -90,6 +90,7 @@ def test_kernel_kind_sorts_a_plain_step() -> None:
     assert kind("Gather", [[1, 1]], [[1, 1, 64]], parameter_size=1 << 20) == "weights"
     assert kind("Concat", [[1, 2, 64, 32], [1, 2, 1, 32]], [[1, 2, 65, 32]]) == "cache copies"
     assert kind("Expand", [[1, 2, 1, 65, 32]], [[1, 2, 2, 65, 32]]) == "cache copies"
+    assert kind("Reshape", [[1, 2, 2, 65, 32]], [[1, 4, 65, 32]]) == "other"  # a view
     assert kind("MatMul", [[1, 4, 1, 32], [1, 4, 32, 65]], [[1, 4, 1, 65]]) == "attention"
     assert kind("Softmax", [[1, 4, 1, 65]], [[1, 4, 1, 65]]) == "attention"
     assert kind("Mul", [[1, 1, 48]], [[1, 1, 48]]) == "other"  # hidden size 48: no slot axis
