@@ -123,7 +123,8 @@ def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
         assert not list(path.parent.glob("profile*.json")), "the trace file is removed"
     plain, static = splits["plain"], splits["static"]
     assert plain.kinds["cache copies"] > 2 * static.kinds["cache copies"]
-    assert 0 < plain.copy_fraction < 1 and amdahl_bound(plain.copy_fraction) > 1
+    assert 0 < plain.copy_fraction < plain.cache_fraction < 1
+    assert amdahl_bound(plain.cache_fraction) > amdahl_bound(plain.copy_fraction) > 1
     assert plain.by_op["cache copies"]["Concat"] > 0  # past ++ new
     assert list(static.by_op["cache copies"]) == ["ScatterElements"]  # in place
     with pytest.raises(ValueError, match="run the"):

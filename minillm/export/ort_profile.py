@@ -18,8 +18,10 @@ output shapes and whether it reads weights.
 
 If the cache copies are a fraction f of the plain loop's kernel time, a loop that drops
 them and changes nothing else decodes at most 1 / (1 - f) times faster (Amdahl,
-`amdahl_bound`); a loop that beats that bound also changed other kernels (ORT GenAI's
-fused attention and norms) or the time outside them.
+`amdahl_bound`). A loop without them usually also reads less in attention (no repeated
+K/V): with c the share of copies and attention together, no loop that keeps the other
+kernels as they are beats 1 / (1 - c), however it holds the cache; beating that takes
+other kernels (ORT GenAI's fused norms) or less time outside them.
 """
 
 from __future__ import annotations
@@ -112,6 +114,13 @@ class StepSplit:
         is left out: measured as a difference of two timings, it is mostly noise on a
         loaded machine (0 to 4 ms per step on SmolLM2 at 512 tokens, the same run)."""
         return self.kinds["cache copies"] / sum(self.kinds.values())
+
+    @property
+    def cache_fraction(self) -> float:
+        """The share of the kernel time that reads or writes the cache (copies and
+        attention): a loop that keeps the other kernels as they are, however it holds the
+        cache, gains at most 1 / (1 - this)."""
+        return (self.kinds["cache copies"] + self.kinds["attention"]) / sum(self.kinds.values())
 
 
 def amdahl_bound(fraction: float) -> float:
