@@ -3,8 +3,9 @@
 a static cache written in place (`OrtStaticDecoder`), and ORT GenAI's own generator where
 onnxruntime-genai is installed.
 
-    python -m benchmarks.ort_iobinding [--model bundled-1k] [--context 512] [--steps 16]
-                                       [--quick] [--threads N] [--json out.json]
+    python -m benchmarks.ort_iobinding [--model bundled-1k] [--context 512 [2048 ...]]
+                                       [--steps 16] [--quick] [--no-profile] [--threads N]
+                                       [--json out.json]
 
 (a) speed: `--steps` decode steps after a `--context`-token prompt, batch 1, the same
     work in every timed call (each variant restarts from the same prefilled cache), all
@@ -16,7 +17,14 @@ onnxruntime-genai is installed.
     the bundled model itself stops at 256 positions), a shape name of
     `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB), or a
     model `load_model` takes ('smollm2': the real SmolLM2-135M-Instruct, offline).
-(b) correctness and quality on the bundled model (trained weights): greedy tokens of the
+    Each `--context` in turn, on the same exports.
+(b) why: ORT's profiler on the plain loop and on IOBinding (grouped), each step split
+    into weights / cache copies / attention / other kernels / outside the kernels
+    (`minillm.export.ort_profile`). The plain loop's cache copies, a fraction f of its
+    kernel time, are what a loop with an in-place cache removes: removing them alone gains
+    at most 1 / (1 - f) (Amdahl); with c the share of copies and attention together, no
+    loop that keeps the other kernels beats 1 / (1 - c). Both next to the measured ratios.
+(c) correctness and quality on the bundled model (trained weights): greedy tokens of the
     plain loop, IOBinding, minillm (and ORT GenAI fp32 / int4), held-out perplexity.
 One SUMMARY line.
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +44,7 @@ import numpy as np
 import torch
 
 from minillm import BUNDLED_DIR, SamplingParams, generate, load_model, load_tokenizer
+from minillm.export import ort_profile as prof
 from minillm.export.onnx import export_decoder_step
 from minillm.export.onnx_runtime import OrtDecoder, ort_logits_fn, ort_session
 from minillm.export.onnx_static import OrtStaticDecoder, export_static_step
@@ -63,15 +73,16 @@ def speed_model(name: str) -> Transformer:
     return load_model(name)
 
 
-def speed_fns(
-    model: Transformer, workdir: Path, context: int, steps: int, threads: int
-) -> dict[str, Callable[[], Any]]:
-    """Each callable runs `steps` greedy-free decode steps (fixed token) after `context`."""
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, model.config.vocab_size, (context,), generator=g).tolist()
-    plain = OrtDecoder(
-        ort_session(export_decoder_step(model, workdir / "step.onnx"), threads=threads)
-    )
+def _once(path: Path, make: Callable[[], Path]) -> Path:
+    """`path`, made by `make` unless an earlier context of this run already made it:
+    the graphs have dynamic sequence axes, so every context reuses one export."""
+    return path if path.exists() else make()
+
+
+def plain_runner(session: Any, prompt: list[int], steps: int) -> Callable[[], Any]:
+    """The plain loop after `prompt`: `steps` steps with a fixed token, from the same
+    prefilled cache every call (past ++ new concatenated by the graph at each step)."""
+    plain = OrtDecoder(session)
     _, pos0, mask0, past0 = plain.prefill([prompt])
     token = np.array([[7]], np.int64)
 
@@ -83,23 +94,48 @@ def speed_fns(
             pos = pos + 1
         return logits
 
-    def static_fn(grouped: bool) -> Callable[[], Any]:
-        path = export_static_step(model, workdir / f"static{int(grouped)}.onnx", grouped)
-        static = OrtStaticDecoder(ort_session(path, threads=threads), max_len=context + steps)
-        static.allocate(1)
-        smask = np.zeros((1, context + steps), np.int64)
-        smask[:, :context] = 1
-        static.step(np.array([prompt]), np.arange(context)[None], smask, np.arange(context))
+    return run_plain
 
-        def run_static() -> Any:
-            mask = smask.copy()
-            for i in range(steps):
-                mask[:, context + i] = 1
-                slot = np.array([context + i])
-                logits = static.step(token, slot[None], mask, slot)
-            return logits
 
-        return run_static
+def static_runner(session: Any, prompt: list[int], steps: int) -> Callable[[], Any]:
+    """`OrtStaticDecoder` after `prompt`: the same steps, slots len(prompt).. rewritten
+    in place every call."""
+    context = len(prompt)
+    static = OrtStaticDecoder(session, max_len=context + steps)
+    static.allocate(1)
+    smask = np.zeros((1, context + steps), np.int64)
+    smask[:, :context] = 1
+    static.step(np.array([prompt]), np.arange(context)[None], smask, np.arange(context))
+    token = np.array([[7]], np.int64)
+
+    def run_static() -> Any:
+        mask = smask.copy()
+        for i in range(steps):
+            mask[:, context + i] = 1
+            slot = np.array([context + i])
+            logits = static.step(token, slot[None], mask, slot)
+        return logits
+
+    return run_static
+
+
+def speed_prompt(model: Transformer, context: int) -> list[int]:
+    """The timed prompt: `context` random token ids (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, model.config.vocab_size, (context,), generator=g).tolist()
+
+
+def speed_fns(
+    model: Transformer, workdir: Path, context: int, steps: int, threads: int
+) -> dict[str, Callable[[], Any]]:
+    """Each callable runs `steps` greedy-free decode steps (fixed token) after `context`."""
+    prompt = speed_prompt(model, context)
+    step = _once(workdir / "step.onnx", lambda: export_decoder_step(model, workdir / "step.onnx"))
+    fns = {PLAIN: plain_runner(ort_session(step, threads=threads), prompt, steps)}
+    for name, grouped in ((STATIC_REPEAT, False), (STATIC, True)):
+        path = workdir / f"static{int(grouped)}.onnx"
+        path = _once(path, lambda p=path, g=grouped: export_static_step(model, p, g))
+        fns[name] = static_runner(ort_session(path, threads=threads), prompt, steps)
 
     with torch.inference_mode():
         cache, _, lengths = prefill(model, [prompt], steps)
@@ -112,15 +148,9 @@ def speed_fns(
             logits = eager_decode_step(model, cache, tokens, (lengths + i)[:, None])
         return logits
 
-    fns = {PLAIN: run_plain, STATIC_REPEAT: static_fn(False), STATIC: static_fn(True)}
     fns[MINILLM] = run_minillm
     if genai_missing() is None:
-        hf = save_model(model, workdir / "hf")
-        # The builder insists on tokenizer files (it copies them next to the graph); we
-        # feed token ids, so the bundled tokenizer's files serve any random-weight shape.
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(BUNDLED_DIR / name, hf / name)
-        gen = GenaiDecoder(build_genai_model(hf, workdir / "genai", "fp32"))
+        gen = GenaiDecoder(_once(workdir / "genai", lambda: _genai_build(model, workdir)))
         generator = gen.generator(prompt, context + steps + 1)
 
         def run_genai() -> Any:
@@ -130,6 +160,53 @@ def speed_fns(
 
         fns[GENAI] = run_genai
     return fns
+
+
+def _genai_build(model: Transformer, workdir: Path) -> Path:
+    hf = save_model(model, workdir / "hf")
+    # The builder insists on tokenizer files (it copies them next to the graph); we
+    # feed token ids, so the bundled tokenizer's files serve any random-weight shape.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_DIR / name, hf / name)
+    return build_genai_model(hf, workdir / "genai", "fp32")
+
+
+def step_splits(
+    model: Transformer,
+    workdir: Path,
+    context: int,
+    steps: int,
+    threads: int,
+    step_ms: dict[str, float],
+) -> dict[str, prof.StepSplit]:
+    """ORT's profiler on the plain loop and on IOBinding (grouped), the graphs `speed_fns`
+    exported in `workdir`: each step split by kind (`minillm.export.ort_profile`), the
+    median of 2 profiled calls of each, interleaved (a slow spell hits both loops);
+    `step_ms`: each one's step time measured without the profiler."""
+    cfg = model.config
+    slots = range(context, context + steps + 1)
+    dims = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim)
+    if any(d in slots for d in dims):
+        raise ValueError(
+            f"context {context}: a model dimension {dims} is among the slot counts "
+            "the profile tells the sequence axis by; profile another context"
+        )
+    layer_k = cfg.num_key_value_heads * context * cfg.head_dim * model.lm_head.weight.element_size()
+    prompt = speed_prompt(model, context)
+    sessions, runs = {}, {}
+    for name, path, runner in (
+        (PLAIN, workdir / "step.onnx", plain_runner),
+        (STATIC, workdir / "static1.onnx", static_runner),
+    ):
+        sessions[name] = prof.profiled_session(path, threads, workdir / f"profile{len(runs)}")
+        runs[name] = runner(sessions[name], prompt, steps)
+    for _ in range(3):  # a warm-up round, then 2 profiled ones, the loops interleaved
+        for run in runs.values():
+            run()
+    return {
+        name: prof.step_split(session, 2 * steps, layer_k, slots, step_ms[name])
+        for name, session in sessions.items()
+    }
 
 
 def quality(workdir: Path, max_tokens: int = 32, windows: int = 8) -> dict[str, Any]:
@@ -167,12 +244,47 @@ def quality(workdir: Path, max_tokens: int = 32, windows: int = 8) -> dict[str, 
     return out
 
 
+def split_report(splits: dict[str, prof.StepSplit], speedup: dict[str, float]) -> dict[str, Any]:
+    """The profile's verdict at one context: the plain loop's cache-copy fraction f and
+    1 / (1 - f), what removing the copies alone gains; c, copies and attention together,
+    and 1 / (1 - c), the bound on any loop that keeps the other kernels; each split (ms
+    per step, by kind and by op type)."""
+    f, c = splits[PLAIN].copy_fraction, splits[PLAIN].cache_fraction
+    out: dict[str, Any] = {"copy_fraction": f, "bound": prof.amdahl_bound(f)}
+    out |= {"cache_fraction": c, "cache_bound": prof.amdahl_bound(c)}
+    out["measured"] = {name: speedup[name] for name in (STATIC, GENAI) if name in speedup}
+    out["split_ms"] = {
+        name: {**s.kinds, "outside kernels": s.outside, "step": s.step_ms}
+        for name, s in splits.items()
+    }
+    out["by_op_ms"] = {name: s.by_op for name, s in splits.items()}
+    return out
+
+
+def print_split(context: int, report: dict[str, Any]) -> None:
+    print(f"\n(b) where a step goes at {context} (ORT profiler, ms per step, median step):")
+    for name, kinds in report["split_ms"].items():
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in kinds.items() if k != "step")
+        print(f"      {name:<20}{kinds['step']:6.1f} ms = {parts}")
+    measured = ", ".join(f"{k} {v:.2f}x" for k, v in report["measured"].items())
+    plain = report["split_ms"][PLAIN]  # the profiler inflates short kernels (StepSplit):
+    if (kernels := sum(plain[kind] for kind in prof.KINDS)) > 1.2 * plain["step"]:
+        print(f"    not reliable: the profiled kernels ({kernels:.2f} ms) outlast the step")
+    print(
+        f"    the plain loop's kernel time: cache copies {100 * report['copy_fraction']:.0f}% "
+        f"(removing them alone gains at most {report['bound']:.2f}x, Amdahl), copies and "
+        f"attention {100 * report['cache_fraction']:.0f}% (no loop that keeps the other "
+        f"kernels beats {report['cache_bound']:.2f}x); measured {measured}"
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled-1k")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", type=int, nargs="+", default=[512], help="one or more")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiler's split")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -184,31 +296,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         end="",
     )
     genai = genai_missing() or "installed"
-    print(f"{args.steps} decode steps after {args.context} tokens; GenAI: {genai}")
-    result: dict[str, Any] = {"model": args.model, "context": args.context}
+    contexts = ", ".join(map(str, args.context))
+    print(f"{args.steps} decode steps after {contexts} tokens; GenAI: {genai}")
+    result: dict[str, Any] = {"model": args.model, "context": args.context[0]}
+    result["by_context"] = {}
+    model = speed_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = speed_fns(speed_model(args.model), Path(tmp), args.context, args.steps, args.threads)
-        samples = time_samples(fns, repeats=5 if args.quick else 15, warmup=2)
-        ratios = paired_ratios(samples, PLAIN)
-        result["speedup"] = {name: 1 / r for name, r in ratios.items()}
-        print("\n(a) decode speed-up over the plain ORT loop (its time / the variant's):")
-        for name, x in result["speedup"].items():
-            print(f"    {name:<24}{x:>7.2f}x")
+        for context in args.context:
+            fns = speed_fns(model, Path(tmp), context, args.steps, args.threads)
+            samples = time_samples(fns, repeats=5 if args.quick else 15, warmup=2)
+            del fns  # the sessions and caches of this context
+            speedup = {name: 1 / r for name, r in paired_ratios(samples, PLAIN).items()}
+            at: dict[str, Any] = {"speedup": speedup}
+            print(f"\n(a) decode after {context} tokens, speed-up over the plain ORT loop:")
+            for name, x in speedup.items():
+                print(f"    {name:<28}{x:>7.2f}x")
+            if not args.no_profile:
+                step_ms = {n: 1e3 * statistics.median(t) / args.steps for n, t in samples.items()}
+                splits = step_splits(model, Path(tmp), context, args.steps, args.threads, step_ms)
+                at |= split_report(splits, speedup)
+                print_split(context, at)
+            result["by_context"][str(context)] = at
+        result["speedup"] = result["by_context"][str(args.context[0])]["speedup"]
         result |= quality(Path(tmp))
-    print("\n(b) bundled model: greedy tokens equal to minillm's:", result["tokens_equal"])
+    print("\n(c) bundled model: greedy tokens equal to minillm's:", result["tokens_equal"])
     print("    held-out perplexity:", {k: round(v, 4) for k, v in result["ppl"].items()})
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    s = result["speedup"]
-    line = (
-        f"SUMMARY ort_iobinding {args.model}: decode@{args.context} IOBinding "
-        f"{s[STATIC]:.2f}x (K/V repeated {s[STATIC_REPEAT]:.2f}x)"
-    )
-    if GENAI in s:
-        line += f", GenAI {s[GENAI]:.2f}x"
-    line += f", minillm {s[MINILLM]:.2f}x"
+    line = f"SUMMARY ort_iobinding {args.model} (x the plain ORT loop):"
+    for context, at in result["by_context"].items():
+        s = at["speedup"]
+        line += (
+            f" decode@{context} IOBinding {s[STATIC]:.2f}x (K/V repeated {s[STATIC_REPEAT]:.2f}x)"
+        )
+        if GENAI in s:
+            line += f", GenAI {s[GENAI]:.2f}x"
+        line += f", minillm {s[MINILLM]:.2f}x"
+        if "bound" in at:
+            line += f", bounds {at['bound']:.2f}x / {at['cache_bound']:.2f}x (copies / cache)"
+        line += ";"
     exact = all(same for name, same in result["tokens_equal"].items() if "int4" not in name)
-    line += f" the plain loop; fp32 runtimes' greedy tokens equal minillm's: {exact}"
+    line += f" fp32 runtimes' greedy tokens equal minillm's: {exact}"
     if f"{GENAI} int4" in result["ppl"]:
         delta = result["ppl"][f"{GENAI} int4"] / result["ppl"]["minillm"] - 1
         line += f"; GenAI int4 ppl {100 * delta:+.2f}%"

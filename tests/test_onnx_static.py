@@ -70,3 +70,64 @@ def test_static_decoder_names_the_fixes(static_path, step_path, prompts) -> None
         )
     with pytest.raises(ValueError, match="export_static_step"):
         OrtStaticDecoder(ort_session(step_path), 8)
+
+
+def _event(op: str, inputs: list, outputs: list, parameter_size: int = 0) -> dict:
+    """A node event as ORT's profiler writes it (only the fields `kernel_kind` reads)."""
+    shapes = [[{"float": dims} for dims in tensors] for tensors in (inputs, outputs)]
+    args = {"op_name": op, "parameter_size": str(parameter_size)}
+    return {"args": args | {"input_type_shape": shapes[0], "output_type_shape": shapes[1]}}
+
+
+def test_kernel_kind_sorts_a_plain_step() -> None:
+    from minillm.export.ort_profile import kernel_kind
+
+    layer_k = 2 * 64 * 32 * 4  # kv_heads 2, 64 slots, head_dim 32, fp32
+    slots = range(64, 70)
+    kind = lambda *a, **k: kernel_kind(_event(*a, **k), layer_k, slots)  # noqa: E731
+    # ORT prepacks a constant MatMul weight: the profile lists the activation alone.
+    assert kind("MatMul", [[1, 1, 64]], [[1, 1, 128]]) == "weights"
+    assert kind("Gather", [[1, 1]], [[1, 1, 64]], parameter_size=1 << 20) == "weights"
+    assert kind("Concat", [[1, 2, 64, 32], [1, 2, 1, 32]], [[1, 2, 65, 32]]) == "cache copies"
+    assert kind("Expand", [[1, 2, 1, 65, 32]], [[1, 2, 2, 65, 32]]) == "cache copies"
+    assert kind("Reshape", [[1, 2, 2, 65, 32]], [[1, 4, 65, 32]]) == "other"  # a view
+    assert kind("MatMul", [[1, 4, 1, 32], [1, 4, 32, 65]], [[1, 4, 1, 65]]) == "attention"
+    assert kind("Softmax", [[1, 4, 1, 65]], [[1, 4, 1, 65]]) == "attention"
+    assert kind("Mul", [[1, 1, 48]], [[1, 1, 48]]) == "other"  # hidden size 48: no slot axis
+    assert kind("Add", [[1, 1, 128]], [[1, 1, 128]]) == "other"
+    # An axis is told apart by its length alone: a hidden size among the slot counts is not.
+    assert kind("Mul", [[1, 1, 64]], [[1, 1, 64]]) == "attention"
+
+
+def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
+    model, step_path, static_path
+) -> None:
+    """ORT's profiler on both loops after a 64-token prompt: the plain loop spends part of
+    its step copying the cache, IOBinding (grouped) only its in-place scatter."""
+    from benchmarks.ort_iobinding import plain_runner, static_runner
+    from minillm.export.ort_profile import amdahl_bound, profiled_session, step_split
+
+    context, steps = 64, 4
+    cfg = model.config
+    layer_k = cfg.num_key_value_heads * context * cfg.head_dim * 4
+    splits = {}
+    for name, path, runner in (
+        ("plain", step_path, plain_runner),
+        ("static", static_path, static_runner),
+    ):
+        session = profiled_session(path, prefix=path.parent / "profile")
+        run = runner(session, list(range(1, context + 1)), steps)
+        run(), run()
+        splits[name] = step_split(session, steps, layer_k, range(context, context + steps + 1))
+        assert splits[name].kinds["weights"] > 0, name  # the prepacked MatMuls were found
+        assert not list(path.parent.glob("profile*.json")), "the trace file is removed"
+    plain, static = splits["plain"], splits["static"]
+    assert plain.kinds["cache copies"] > 2 * static.kinds["cache copies"]
+    assert 0 < plain.copy_fraction < plain.cache_fraction < 1
+    assert amdahl_bound(plain.cache_fraction) > amdahl_bound(plain.copy_fraction) > 1
+    assert plain.by_op["cache copies"]["Concat"] > 0  # past ++ new
+    assert list(static.by_op["cache copies"]) == ["ScatterElements"]  # in place
+    with pytest.raises(ValueError, match="run the"):
+        step_split(profiled_session(step_path, prefix=step_path.parent / "p"), 1, layer_k, range(1))
+    with pytest.raises(ValueError, match="in \\[0, 1\\)"):
+        amdahl_bound(1.0)

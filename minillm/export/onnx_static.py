@@ -96,7 +96,12 @@ def grouped_attention() -> Iterator[None]:
         mask = attn_mask.unsqueeze(2).expand(B, 1, rep, T, -1).reshape(B, 1, rep * T, -1)
         scores = (qg @ k.transpose(-1, -2)) * (scale or D**-0.5)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        return (probs @ v).reshape(B, H, T, D)
+        # P.V with V broadcast over its query heads rather than one [rep * T, S] @ [S, D]
+        # product: at decode (T = 1) each is a matrix-vector product, which ORT's MLAS runs
+        # straight from V, where a product with several rows first packs V into a scratch
+        # copy (30 layers at 2064 slots: 2.7 ms instead of 4.5, benchmarks/ort_iobinding).
+        out = probs.reshape(B, groups, rep, T, -1) @ v.unsqueeze(2)
+        return out.reshape(B, H, T, D)
 
     F.scaled_dot_product_attention = sdpa
     try:
