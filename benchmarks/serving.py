@@ -120,19 +120,20 @@ def slot_utilisation(engine: Engine, batch: int) -> float:
     return sum(decodes) / (len(decodes) * batch)
 
 
-def decode_rows(engine: Engine) -> list[int]:
-    """Running sequences in each decode-only step (needs engine.trace)."""
-    return [len(r.decode_ids) for r in engine.trace if not r.prefill_tokens]
+def step_tokens(engine: Engine) -> list[int]:
+    """Tokens each step computed: its decode rows plus its prompt tokens (needs engine.trace)."""
+    return [len(r.decode_ids) + sum(r.prefill_tokens.values()) for r in engine.trace]
 
 
-def batching_model(rows: dict[str, list[int]], relative: dict[str, float]) -> dict[str, float]:
-    """Why continuous batching gains what it gains here, from its decode steps alone
-    (`rows`: mode -> rows of each decode-only step; prefill steps left out).
-    'flat': static decode steps / continuous ones, the speed-up if a step cost the same
-    at any batch size (a GPU's regime while reading the weights dominates a step).
-    'curve': the same steps costed on this machine's measured step-cost curve
-    (`decode_step_cost`'s relative costs, interpolated between its batch sizes): a CPU
-    step grows with its rows, so packing more rows per step saves less than steps."""
+def batching_model(tokens: dict[str, list[int]], relative: dict[str, float]) -> dict[str, float]:
+    """Why continuous batching gains what it gains here (`tokens`: mode -> tokens each step
+    computed, `step_tokens`). 'flat': static steps / continuous steps, the speed-up if a
+    step cost the same whatever it computes (a GPU's regime while reading the weights
+    dominates a step). 'curve': the same steps costed on this machine's measured step-cost
+    curve (`decode_step_cost`'s relative cost of a step with B rows, interpolated between
+    its batch sizes and extended along its last segment, a prompt token counted as a row):
+    a CPU step grows with what it computes, so packing more rows per step saves less
+    than it saves steps."""
     sizes = sorted(int(k.removeprefix("B=")) for k in relative)
     costs = [relative[f"B={b}"] for b in sizes]
 
@@ -142,9 +143,9 @@ def batching_model(rows: dict[str, list[int]], relative: dict[str, float]) -> di
             return costs[-1] + slope * (n - sizes[-1])
         return float(np.interp(n, sizes, costs))
 
-    total = {mode: sum(cost(n) for n in r) for mode, r in rows.items()}
+    total = {mode: sum(cost(n) for n in t) for mode, t in tokens.items()}
     return {
-        "flat": len(rows["static"]) / len(rows["continuous"]),
+        "flat": len(tokens["static"]) / len(tokens["continuous"]),
         "curve": total["static"] / total["continuous"],
     }
 
@@ -265,9 +266,9 @@ def offline(model, tokenizer, work, batch: int = 32, repeats: int = 3, hf=None) 
             "continuous": slot_utilisation(cont_engine, batch),
             "static": slot_utilisation(static_engine, batch),
         },
-        "decode_rows": {
-            "continuous": decode_rows(cont_engine),
-            "static": decode_rows(static_engine),
+        "step_tokens": {
+            "continuous": step_tokens(cont_engine),
+            "static": step_tokens(static_engine),
         },
         "latency_continuous": engine_latencies(cont_outs),
         "latency_static": engine_latencies(static_outs),
@@ -453,11 +454,11 @@ def main() -> None:
         "  decode step cost vs batch 1 (interleaved): "
         + ", ".join(f"{k} {v:.2f}x" for k, v in cost["relative"].items())
     )
-    off["model"] = batching_model(off["decode_rows"], cost["relative"])
+    off["model"] = batching_model(off["step_tokens"], cost["relative"])
     print(
-        f"  why: continuous takes {off['model']['flat']:.2f}x fewer decode steps (its speed-up "
-        "if a step cost the same at any batch size, a GPU's regime); costed on the step-cost "
-        f"curve above, those steps predict {off['model']['curve']:.2f}x (decode steps only)"
+        f"  why: continuous takes {off['model']['flat']:.2f}x fewer steps (its speed-up if a "
+        "step cost the same whatever it computes, a GPU's regime); costed on the step-cost "
+        f"curve above (a prompt token as a row), those steps predict {off['model']['curve']:.2f}x"
     )
     if hf is not None:
         print(
@@ -478,7 +479,7 @@ def main() -> None:
         summary += f", {off['speedup_vs_hf']:.2f}x HF generate (padded)"
     summary += (
         f"; decode step at B=32 costs {cost['relative']['B=32']:.1f}x B=1, so "
-        f"{off['model']['flat']:.2f}x fewer decode steps predict {off['model']['curve']:.2f}x"
+        f"{off['model']['flat']:.2f}x fewer steps predict {off['model']['curve']:.2f}x"
     )
     summary += (
         f"; slot utilisation {off['utilisation']['static']:.0%} static -> "

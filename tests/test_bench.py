@@ -206,11 +206,11 @@ def test_batching_model_flat_and_curve_costs():
     spec = importlib.util.spec_from_file_location("serving", ROOT / "benchmarks/serving.py")
     serving = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serving)
-    rows = {"static": [4, 4, 2, 1], "continuous": [4, 4]}
-    flat = {"B=1": 1.0, "B=4": 1.0}  # a step costs the same at any batch: steps are time
-    assert serving.batching_model(rows, flat) == {"flat": 2.0, "curve": 2.0}
-    linear = {"B=1": 1.0, "B=4": 4.0}  # cost proportional to rows: only tokens count
-    got = serving.batching_model(rows, linear)
+    tokens = {"static": [4, 4, 2, 1], "continuous": [4, 4]}  # tokens computed per step
+    flat = {"B=1": 1.0, "B=4": 1.0}  # a step costs the same whatever it computes: steps are time
+    assert serving.batching_model(tokens, flat) == {"flat": 2.0, "curve": 2.0}
+    linear = {"B=1": 1.0, "B=4": 4.0}  # cost proportional to tokens: only tokens count
+    got = serving.batching_model(tokens, linear)
     assert got["flat"] == 2.0 and got["curve"] == pytest.approx(11 / 8)
-    # beyond the measured sizes the last segment extends (here a step of 8 rows costs 8)
-    assert serving.batching_model({"static": [8], "continuous": [4]}, linear)["curve"] == 2.0
+    # beyond the measured sizes the last segment extends: a 40-token prefill step costs 40
+    assert serving.batching_model({"static": [40], "continuous": [4]}, linear)["curve"] == 10.0
