@@ -32,4 +32,6 @@ def test_a_small_run_prints_its_table(capsys) -> None:
     assert "GPTQ int4 g128" not in rows  # --only left it out
     assert rows["fp32"]["ppl_delta"] == 0 and rows["RTN int4 g128"]["speed"] > 0
     assert rows["AWQ int4 g128"]["bytes"] == rows["RTN int4 g128"]["bytes"]
-    assert "SUMMARY quant_methods bundled" in capsys.readouterr().out
+    assert rows["AWQ int4 g128 (duo scaling)"]["bytes"] == rows["RTN int4 g128"]["bytes"]
+    out = capsys.readouterr().out
+    assert "SUMMARY quant_methods bundled" in out and "AWQ (duo scaling)" in out
