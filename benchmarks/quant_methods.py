@@ -8,7 +8,8 @@ SmoothQuant, FP8; plus the activation outliers of the model that motivate W8A8's
 
 SmoothQuant rows for each `--alphas` value (default 0.5 and 0.8), and with alpha searched
 per scale group (`search_smooth_model`). AWQ scores its scales on the output of the module
-they feed (the paper's way); the '(per-linear loss)' row scores each linear's own output.
+they feed (the paper's way); the '(per-linear loss)' row scores each linear's own output;
+the '(duo scaling)' row searches AutoAWQ's scales, activations and weights together.
 `--only`: just the rows whose name contains one of the words (fp32 and RTN always run).
 
 `--model`: 'bundled' (default; trained, so perplexity means something), a local HF
@@ -98,10 +99,14 @@ def methods(
         "fp32": ("fp32", lambda m, b: m),
         f"RTN int4 g{g}": (s, lambda m, b: quantize_model(m, s)),
         f"GPTQ int4 g{g}": (s, lambda m, b: gptq_quantize_model(m, b, s)),
-        f"AWQ int4 g{g}": (s, lambda m, b: awq_quantize_model(m, b, s, **awq)),
+        f"AWQ int4 g{g}": (s, lambda m, b: awq_quantize_model(m, b, s, scales="act", **awq)),
         f"AWQ int4 g{g} (per-linear loss)": (
             s,
-            lambda m, b: awq_quantize_model(m, b, s, scope="linear", **awq),
+            lambda m, b: awq_quantize_model(m, b, s, scope="linear", scales="act", **awq),
+        ),
+        f"AWQ int4 g{g} (duo scaling)": (
+            s,
+            lambda m, b: awq_quantize_model(m, b, s, scales="duo", **awq),
         ),
         f"RTN int4 g{g} (kernel)": (s, lambda m, b: _kernel(quantize_model(m, s))),
         "RTN int8 (weights)": ("int8", lambda m, b: quantize_model(m, "int8")),
@@ -294,7 +299,8 @@ def summary(result: dict[str, Any]) -> str:
     rows, g = result["rows"], result["group"]
     rtn = f"RTN int4 g{g}"
     parts = [f"int4 g{g} ppl delta RTN {100 * rows[rtn]['ppl_delta']:+.2f}%"]
-    for method in (f"GPTQ int4 g{g}", f"AWQ int4 g{g}", f"AWQ int4 g{g} (per-linear loss)"):
+    awqs = [f"AWQ int4 g{g}{v}" for v in ("", " (per-linear loss)", " (duo scaling)")]
+    for method in (f"GPTQ int4 g{g}", *awqs):
         if method in rows:
             parts.append(
                 f"{method.split(' int4')[0]}{method.split(f'g{g}')[1]} "

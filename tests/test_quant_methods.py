@@ -6,10 +6,12 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
-from benchmarks import quant_methods
+from benchmarks import awq_scales, quant_methods
 from minillm import load_tokenizer
 from minillm.quant import quantize_model
+from minillm.quant.calibrate import calibration_batches
 from minillm.training import held_out_ids, next_token_agreement, perplexity
 
 
@@ -32,4 +34,22 @@ def test_a_small_run_prints_its_table(capsys) -> None:
     assert "GPTQ int4 g128" not in rows  # --only left it out
     assert rows["fp32"]["ppl_delta"] == 0 and rows["RTN int4 g128"]["speed"] > 0
     assert rows["AWQ int4 g128"]["bytes"] == rows["RTN int4 g128"]["bytes"]
-    assert "SUMMARY quant_methods bundled" in capsys.readouterr().out
+    assert rows["AWQ int4 g128 (duo scaling)"]["bytes"] == rows["RTN int4 g128"]["bytes"]
+    out = capsys.readouterr().out
+    assert "SUMMARY quant_methods bundled" in out and "AWQ (duo scaling)" in out
+
+
+def test_awq_scales_compares_the_families_on_training_text_only() -> None:
+    """The default's evidence: the unseen pieces are training text the calibration batches
+    do not contain, and every family gets a recovery on both texts."""
+    tok = load_tokenizer()
+    calib = torch.cat(calibration_batches(tok, n_batches=4, batch_size=4, seq_len=256))
+    unseen = awq_scales.other_training_pieces(tok)
+    held_out = held_out_ids(tok)
+    assert unseen.shape == calib.shape
+    assert not any(torch.equal(u, c) for u in unseen for c in calib)
+    assert not torch.equal(unseen[0], held_out[: unseen.shape[1]])
+    result = awq_scales.main(["--model", "bundled"])
+    ppl = result["perplexity"]
+    assert set(result["recovered"]) == {"AWQ act", "AWQ duo"}
+    assert all(ppl["fp32"][t] < ppl["RTN"][t] for t in ("fitted", "unseen"))
