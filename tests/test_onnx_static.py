@@ -102,8 +102,8 @@ def test_kernel_kind_sorts_a_plain_step() -> None:
 def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
     model, step_path, static_path
 ) -> None:
-    """ORT's profiler on both loops after a 64-token prompt: the plain loop spends part of
-    its step copying the cache, IOBinding (grouped) only its in-place scatter."""
+    """ORT's profiler on both loops after a 64-token prompt: the plain loop's cache ops are
+    copies (Concat: past ++ new), IOBinding's (grouped) only its in-place scatter."""
     from benchmarks.ort_iobinding import plain_runner, static_runner
     from minillm.export.ort_profile import amdahl_bound, profiled_session, step_split
 
@@ -122,7 +122,8 @@ def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
         assert splits[name].kinds["weights"] > 0, name  # the prepacked MatMuls were found
         assert not list(path.parent.glob("profile*.json")), "the trace file is removed"
     plain, static = splits["plain"], splits["static"]
-    assert plain.kinds["cache copies"] > 2 * static.kinds["cache copies"]
+    # Which ops are copies is structural; how long they take on this tiny model is noise
+    # (timings belong to the benchmark), so no comparison of the two loops' times here.
     assert 0 < plain.copy_fraction < plain.cache_fraction < 1
     assert amdahl_bound(plain.cache_fraction) > amdahl_bound(plain.copy_fraction) > 1
     assert plain.by_op["cache copies"]["Concat"] > 0  # past ++ new
