@@ -183,14 +183,14 @@ def decode_tokens_per_s(
     port = serving.free_port()
     proc = llama_server.start(gguf, port, 1, threads=threads, ctx_per_slot=len(prompt) + tokens)
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion",
+        data=json.dumps(body | {"cache_prompt": False}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     speeds = []
     try:
         for _ in range(rounds + 1):  # the first round warms up
-            req = urllib.request.Request(
-                f"http://127.0.0.1:{port}/completion",
-                data=json.dumps(body | {"cache_prompt": False}).encode(),
-                headers={"Content-Type": "application/json"},
-            )
             with urllib.request.urlopen(req, timeout=600) as resp:
                 reply = json.load(resp)
             if reply["timings"]["predicted_n"] != tokens:
