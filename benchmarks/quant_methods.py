@@ -7,9 +7,11 @@ SmoothQuant, FP8; plus the activation outliers of the model that motivate W8A8's
                                        [--quick] [--threads N] [--json out.json]
 
 SmoothQuant rows for each `--alphas` value (default 0.5 and 0.8), and with alpha searched
-per scale group (`search_smooth_model`). AWQ scores its scales on the output of the module
-they feed (the paper's way); the '(per-linear loss)' row scores each linear's own output;
-the '(duo scaling)' row searches AutoAWQ's scales, activations and weights together.
+per scale group (`search_smooth_model`); W8A8 activations per tensor, per token, and per
+token with a zero point ('per-token-asym', `fake_quant_activations`). AWQ scores its
+scales on the output of the module they feed (the paper's way); the '(per-linear loss)'
+row scores each linear's own output; the '(duo scaling)' row searches AutoAWQ's scales,
+activations and weights together.
 `--only`: just the rows whose name contains one of the words (fp32 and RTN always run).
 
 `--model`: 'bundled' (default; trained, so perplexity means something), a local HF
@@ -93,7 +95,7 @@ def methods(
     }
     searched = {
         f"SmoothQuant searched per-{act}": ("-", smooth(search[0], act))
-        for act in ("tensor", "token")
+        for act in ("tensor", "token", "token-asym")
     }
     return {
         "fp32": ("fp32", lambda m, b: m),
@@ -112,6 +114,7 @@ def methods(
         "RTN int8 (weights)": ("int8", lambda m, b: quantize_model(m, "int8")),
         "W8A8 per-tensor": ("-", w8a8("tensor")),
         "W8A8 per-token": ("-", w8a8("token")),
+        "W8A8 per-token-asym": ("-", w8a8("token-asym")),
         **sq,
         **searched,
         "FP8 e4m3 W(ch)+A(tensor)": ("-", lambda m, b: fp8_quantize_model(m, "e4m3", True, "e4m3")),
@@ -307,7 +310,7 @@ def summary(result: dict[str, Any]) -> str:
                 f"{100 * rows[method]['ppl_delta']:+.2f}% "
                 f"(recovers {recovered(rows, method, rtn):.0%})"
             )
-    for act in ("per-tensor", "per-token"):
+    for act in ("per-tensor", "per-token", "per-token-asym"):
         smooth = [k for k in rows if k.startswith("SmoothQuant") and k.endswith(act)]
         if f"W8A8 {act}" in rows and smooth:
             best = min(smooth, key=lambda k: rows[k]["ppl"])

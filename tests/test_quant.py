@@ -214,6 +214,23 @@ def test_fake_quant_activations_keeps_outlier_columns():
     )
 
 
+def test_asymmetric_token_activations_use_the_whole_grid_on_one_sided_rows():
+    """A zero point per token puts a one-sided row (SiLU-gated, mostly >= 0) on all 256
+    levels: half the step of the symmetric grid, so about half its error; a row already
+    on an affine grid of 256 levels comes back exactly."""
+    x = torch.nn.functional.silu(randn(8, 16, 96) * 3)
+    sym = quant.fake_quant_activations(x, "token")
+    asym = quant.fake_quant_activations(x, "token-asym")
+    assert rel_err(asym, x) < 0.7 * rel_err(sym, x)
+    grid = -0.3 + 0.01 * torch.randint(0, 256, (4, 64)).float()
+    grid[:, 0], grid[:, 1] = -0.3, -0.3 + 2.55  # every row spans the full 256 levels
+    assert torch.allclose(quant.fake_quant_activations(grid, "token-asym"), grid, atol=1e-6)
+    with pytest.raises(ValueError, match="token-asym"):
+        quant.fake_quant_activations(x, "channel")
+    with pytest.raises(ValueError, match="granularity"):
+        quant.set_activation_quant(torch.nn.Linear(2, 2), "per-token")
+
+
 # ------------------------------------------------------------------------ bundled model
 
 

@@ -27,7 +27,8 @@ def test_score_equals_perplexity_and_agreement(model) -> None:
 
 def test_a_small_run_prints_its_table(capsys) -> None:
     result = quant_methods.main(
-        ["--only", "FP8", "AWQ", "--windows", "2", "--calib", "1", "--quick", "--alphas", "0.5"]
+        ["--only", "FP8", "AWQ", "asym", "--windows", "2", "--calib", "1", "--quick"]
+        + ["--alphas", "0.5"]
     )
     rows = result["rows"]
     assert {"fp32", "RTN int4 g128", "AWQ int4 g128", "FP8 e4m3 W(ch)+A(tensor)"} <= set(rows)
@@ -37,6 +38,7 @@ def test_a_small_run_prints_its_table(capsys) -> None:
     assert rows["AWQ int4 g128 (duo scaling)"]["bytes"] == rows["RTN int4 g128"]["bytes"]
     out = capsys.readouterr().out
     assert "SUMMARY quant_methods bundled" in out and "AWQ (duo scaling)" in out
+    assert "W8A8 per-token-asym" in rows and "SmoothQuant searched per-token-asym" in out
 
 
 def test_awq_scales_compares_the_families_on_training_text_only() -> None:

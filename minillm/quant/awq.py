@@ -32,8 +32,8 @@ Duo is `awq_smooth`'s and `awq_quantize_model`'s default because it measured bet
 SmolLM2-135M int4 g64, chosen on KJV training text (`benchmarks/awq_scales.py`) and then
 confirmed on held-out text (`quant_methods`): share of round-to-nearest's perplexity loss
 won back, activation-only vs duo, 59% vs 62% on the 4,096 calibration tokens, 54% vs 63%
-on 16 training pieces the search never saw, 51% vs 58% on the 32 held-out windows
-(`benchmarks/results/awq_scales-smollm2.json`, `quant_awq-smollm2.json`). `awq_search`,
+on 16 training pieces the search never saw, 56% vs 65% on the 32 held-out windows
+(`benchmarks/results/awq_scales-smollm2.json`, `quant_methods-smollm2.json`). `awq_search`,
 the one-linear illustration, keeps the paper's activation-only family as its default.
 
 Then AWQ's second search (`awq_clip`): per weight group, the clipping range (a shrink of

@@ -65,8 +65,8 @@ def parse_scheme(name: str) -> Scheme:
 class QuantLinear(nn.Module):
     """An `nn.Linear` whose weight is stored quantized and dequantized at every forward.
 
-    Weight-only by default (activations stay in the input dtype). `act` = 'tensor' or
-    'token' also fake-quantizes the input to int8 (one scale per tensor / per row), and
+    Weight-only by default (activations stay in the input dtype). `act` = 'tensor', 'token'
+    or 'token-asym' also fake-quantizes the input to int8 (`fake_quant_activations`), and
     `outlier_threshold` keeps input columns with any |x| above it in full precision
     (LLM.int8()'s mixed-precision decomposition).
     """
@@ -180,13 +180,20 @@ def _check_matches(qw: Int4Weight, scheme: Scheme, linear: nn.Linear) -> None:
         )
 
 
+ACT_GRANULARITIES = ("tensor", "token", "token-asym")
+
+
 def fake_quant_activations(
     x: torch.Tensor, granularity: str = "tensor", outlier_threshold: float | None = None
 ) -> torch.Tensor:
-    """x rounded through int8 absmax (one scale per tensor or per token), except the
-    feature columns holding any |x| > outlier_threshold, which pass through unchanged."""
-    if granularity not in ("tensor", "token"):
-        raise ValueError(f"granularity must be 'tensor' or 'token', got {granularity!r}")
+    """x rounded through int8: absmax with one scale per tensor ('tensor') or per token
+    ('token'), or per token with a zero point ('token-asym': each row's min..max onto 256
+    levels, vLLM's int8 "azp" activations and ORT's dynamic uint8 ones). The zero point
+    pays off on one-sided rows, such as the SiLU-gated input of down_proj, whose negative
+    half of a symmetric grid would go unused. The feature columns holding any
+    |x| > outlier_threshold pass through unchanged."""
+    if granularity not in ACT_GRANULARITIES:
+        raise ValueError(f"granularity must be one of {ACT_GRANULARITIES}, got {granularity!r}")
     keep = None
     if outlier_threshold is not None:
         keep = (x.abs() > outlier_threshold).flatten(0, -2).any(0)  # outlier feature columns
@@ -194,8 +201,11 @@ def fake_quant_activations(
     else:
         x_in = x
     flat = x_in.flatten(0, -2)
-    q, scale = absmax_quantize(flat, 8, per_channel=granularity == "token")
-    out = dequantize(q, scale).to(x.dtype).view(x.shape)
+    if granularity == "token-asym":
+        out = dequantize(*zeropoint_quantize(flat, 8, per_channel=True))
+    else:
+        out = dequantize(*absmax_quantize(flat, 8, per_channel=granularity == "token"))
+    out = out.to(x.dtype).view(x.shape)
     return out if keep is None else torch.where(keep, x, out)
 
 
@@ -238,8 +248,11 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
 def set_activation_quant(
     model: nn.Module, granularity: str | None, outlier_threshold: float | None = None
 ) -> None:
-    """Turn int8 activation fake-quantization on ('tensor' / 'token') or off (None) in every
-    QuantLinear, with LLM.int8()'s outlier columns kept when `outlier_threshold` is set."""
+    """Turn int8 activation fake-quantization on (a granularity of `ACT_GRANULARITIES`) or
+    off (None) in every QuantLinear, with LLM.int8()'s outlier columns kept when
+    `outlier_threshold` is set."""
+    if granularity is not None and granularity not in ACT_GRANULARITIES:
+        raise ValueError(f"granularity must be one of {ACT_GRANULARITIES}, got {granularity!r}")
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             mod.act, mod.outlier_threshold = granularity, outlier_threshold
