@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -50,6 +51,32 @@ def test_iobinding_gives_the_plain_loops_tokens(model, static_path, step_path, p
     tokens = static.generate(rows, params)
     assert tokens == plain.generate(rows, params)
     assert tokens == generate(model, rows, params)
+
+
+def test_opset_23_llm_ops_give_the_same_tokens_in_fewer_nodes(
+    model, static_path, prompts, tmp_path
+) -> None:
+    """`llm_ops=True`: each RMSNorm, RoPE and attention is one opset-23 node (no ORT
+    contrib op), the model is otherwise unchanged after export, and IOBinding on that graph
+    gives minillm's tokens, batched with left padding too."""
+    from minillm.export.onnx_static import onnx_llm_ops
+
+    x = torch.tensor([prompts[0]])
+    before = model(x)
+    path = export_static_step(model, tmp_path / "ops.onnx", llm_ops=True)
+    with onnx_llm_ops():  # the patch is undone on the way out, even after an error
+        with pytest.raises(ValueError, match="explicit mask"):
+            model(x)
+    assert torch.equal(model(x), before)
+    n, ops = model.config.num_hidden_layers, op_counts(path)
+    assert ops["RMSNormalization"] == 2 * n + 1
+    assert ops["RotaryEmbedding"] == 2 * n  # q and k
+    assert ops["Attention"] == n
+    assert not {"Pow", "ReduceMean", "Softmax", "Neg"} & set(ops)
+    assert sum(ops.values()) < 0.7 * sum(op_counts(static_path).values())
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    static = OrtStaticDecoder(ort_session(path), max_len=48)
+    assert static.generate(prompts, params) == generate(model, prompts, params)
 
 
 def test_the_bound_buffers_hold_the_cache(model, static_path, prompts) -> None:

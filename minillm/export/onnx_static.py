@@ -21,6 +21,13 @@ One more copy hides in attention: the exporter translates grouped-query attentio
 repeating K and V up to the number of query heads, every step. `grouped_attention`
 exports it per kv head instead. benchmarks/ort_iobinding.py times the whole decode; ORT
 GenAI does the same with its own attention op (`past_present_share_buffer`).
+
+What is left of a step besides the weights is many small nodes: an RMSNorm exports as
+seven (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul: ORT's optimizer fuses the
+x / sqrt(.) form, not torch's x * rsqrt(.)), RoPE as six per tensor, attention as a
+dozen. ONNX opset 23 has an op for each of the three (RMSNormalization, RotaryEmbedding,
+Attention with grouped-query heads), the standard counterparts of the contrib ops ORT
+GenAI's builder writes; `onnx_llm_ops` exports the model with them (`llm_ops=True`).
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ from minillm.export.onnx_checks import check_onnx
 from minillm.export.onnx_runtime import graph_metadata
 from minillm.generation.loop import sample_loop
 from minillm.generation.sampling import SamplingParams, make_generator
+from minillm.model import transformer
 from minillm.model.transformer import Transformer
+
+LLM_OPSET = 23  # the first opset with RMSNormalization, RotaryEmbedding and Attention
 
 
 class ScatterCache(SdpaCache):
@@ -110,6 +120,46 @@ def grouped_attention() -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+@contextlib.contextmanager
+def onnx_llm_ops() -> Iterator[None]:
+    """Export the model's RMSNorm, RoPE and attention as single opset-23 nodes
+    (RMSNormalization, RotaryEmbedding, Attention) instead of the elementary ops they are
+    written in. `torch.onnx.ops` gives each a PyTorch reference the trace runs, so the
+    exported graph computes what the model computes (tests/test_onnx_static.py)."""
+    norm, rope = transformer.RMSNorm.forward, transformer.apply_rope
+    sdpa = F.scaled_dot_product_attention
+
+    def rms_norm(self: transformer.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = cos.shape[-1] // 2  # the tables repeat each angle for channels i and i + d/2
+        return torch.onnx.ops.rotary_embedding(x, cos[..., :half], sin[..., :half])
+
+    def attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,  # ONNX Attention groups by q/kv_num_heads either way
+    ) -> torch.Tensor:
+        if dropout_p or is_causal:
+            raise ValueError("onnx_llm_ops exports the cached step: an explicit mask only")
+        heads = {"q_num_heads": q.shape[1], "kv_num_heads": k.shape[1]}
+        return torch.onnx.ops.attention(q, k, v, attn_mask, scale=scale, **heads)[0]
+
+    transformer.RMSNorm.forward, transformer.apply_rope = rms_norm, apply_rope
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        transformer.RMSNorm.forward, transformer.apply_rope = norm, rope
+        F.scaled_dot_product_attention = sdpa
+
+
 class StaticStepGraph(nn.Module):
     """(ids, positions, attention_mask, cache_position, cache buffers) -> (logits, buffers)."""
 
@@ -137,10 +187,13 @@ def static_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs + [f"past_{n}" for n in kv], ["logits", *(f"present_{n}" for n in kv)]
 
 
-def export_static_step(model: Transformer, path: str | Path, grouped: bool = True) -> Path:
+def export_static_step(
+    model: Transformer, path: str | Path, grouped: bool = True, llm_ops: bool = False
+) -> Path:
     """Export the static-cache decoder step with dynamic batch, sequence and
     max_sequence axes (checked by `check_onnx`); `grouped`: attention per kv head
-    (`grouped_attention`), no repeated copy of K/V."""
+    (`grouped_attention`), no repeated copy of K/V; `llm_ops`: opset 23's RMSNormalization,
+    RotaryEmbedding and Attention (`onnx_llm_ops`; its Attention is grouped natively)."""
     cfg, n = model.config, model.config.num_hidden_layers
     inputs, outputs = static_names(n)
     batch, seq, slots = 2, 3, 8  # distinct sizes, so no axis is mistaken for another
@@ -159,8 +212,13 @@ def export_static_step(model: Transformer, path: str | Path, grouped: bool = Tru
     d = torch.export.Dim.DYNAMIC
     kv_dims = {0: d, 2: d}
     dynamic = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, {0: d}, [(kv_dims, kv_dims)] * n)
-    with grouped_attention() if grouped else contextlib.nullcontext():
-        export_module(StaticStepGraph(model), example, path, inputs, outputs, dynamic)
+    if llm_ops:
+        context, opset = onnx_llm_ops(), LLM_OPSET
+    else:
+        context, opset = grouped_attention() if grouped else contextlib.nullcontext(), None
+    with context:
+        graph = StaticStepGraph(model)
+        export_module(graph, example, path, inputs, outputs, dynamic, opset_version=opset)
     axes: dict[str, dict[int, str]] = {
         "input_ids": {0: "batch", 1: "sequence"},
         "attention_mask": {0: "batch", 1: "max_sequence"},
