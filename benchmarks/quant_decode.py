@@ -139,8 +139,12 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # The kernels' speed depends on the instruction set (AVX2 vs AVX512: the int8/int4
+    # ratios differ by 1.5x between two CPUs here), so the run records it.
+    machine = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    machine |= {"threads": args.threads, "torch": torch.__version__}
     print(f"torch {torch.__version__}, {args.threads} thread(s), model {args.model}, ", end="")
-    print(f"context {args.context}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"context {args.context}, CPU capability {machine['cpu_capability']}")
     models = variants(load(args.model))
     repeats = 5 if args.quick else 15
     results = {}
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
         results[batch] = measure(models, batch, args.context, repeats)
         print_rows(results[batch], batch)
     if args.json:
-        args.json.write_text(json.dumps({str(b): r for b, r in results.items()}, indent=2))
+        by_batch = {str(b): r for b, r in results.items()}
+        args.json.write_text(json.dumps({"machine": machine, **by_batch}, indent=2))
     print(summary(results, args.model))
     return results
 
