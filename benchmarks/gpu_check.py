@@ -11,6 +11,8 @@ Parts, most important first (a global deadline skips what is left, saying so):
   env          versions, the device, how Triton kernels run (must be compiled, not interpreted)
   kernels      paged decode (+ split-K, block sizes), flash prefill, INT4 vs cuBLAS bf16:
                error and speed, bandwidth as a fraction of the copy bandwidth measured here
+  fp8          torch._scaled_mm in e4m3 = dequantize-then-matmul; on FP8 tensor cores (8.9+)
+               its speed vs the bf16 matmul and its error vs fp32
   cuda_graphs  the static decode step compiled with mode="reduce-overhead" (inductor + CUDA
                graphs) vs eager: same tokens, speed-up at batch 1 and 8
   engine       the continuous-batching engine on the GPU (Triton decode kernel): same greedy
@@ -100,6 +102,7 @@ def _commit() -> str:
 PARTS: dict[str, Callable[[Run], dict[str, Any]]] = {
     "env": env,
     "kernels": gpu_parts.kernels,
+    "fp8": gpu_parts.fp8,
     "cuda_graphs": gpu_parts.cuda_graphs,
     "engine": gpu_parts.engine,
     "hf": gpu_parts.hf_generate,

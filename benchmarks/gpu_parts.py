@@ -92,6 +92,40 @@ def kernels(run) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------------- fp8
+
+
+def fp8(run) -> dict[str, Any]:
+    """FP8 e4m3 weights and activations through `torch._scaled_mm` (chapter 06): the same
+    product as dequantize-then-matmul on this device, and on a GPU with FP8 tensor cores
+    (compute capability 8.9+) its speed vs the bf16 matmul and its error vs fp32
+    (`time_scaled_mm`, which says what it skipped on an older GPU)."""
+    from minillm.quant.fp8 import (
+        fp8_dequantize,
+        fp8_fake_quant,
+        fp8_quantize,
+        scaled_mm,
+        time_scaled_mm,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 256, generator=g), torch.randn(128, 256, generator=g)
+    codes, scale = fp8_quantize(w, "e4m3")
+    got = scaled_mm(x.to(run.device), codes.to(run.device), scale.to(run.device)).cpu()
+    ref = fp8_fake_quant(x, "e4m3") @ fp8_dequantize(codes, scale).T
+    err = ((got - ref).norm() / ref.norm()).item()
+    out: dict[str, Any] = {"scaled_mm_vs_dequantized": err}
+    checks = [check("_scaled_mm == dequantize-then-matmul (e4m3, relative)", err < 1e-3, err)]
+    if not run.cpu:
+        out["speed"] = time_scaled_mm()
+        for shape, r in out["speed"].items():
+            if isinstance(r, dict):
+                name = f"fp8 {shape}: within 8% of the fp32 product (relative)"
+                checks.append(check(name, r["rel_error"] < 0.08, r["rel_error"]))
+    out["checks"] = checks
+    return out
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 
 
