@@ -14,7 +14,13 @@ pytest.importorskip("onnxscript")
 
 from minillm.export.onnx import export_module  # noqa: E402
 from minillm.export.onnx_checks import op_counts  # noqa: E402
-from minillm.export.onnx_runtime import ort_logits_fn, ort_session  # noqa: E402
+from minillm.export.onnx_runtime import (  # noqa: E402
+    QDQ_FUSIONS,
+    int8_gemm_saturates,
+    ort_logits_fn,
+    ort_session,
+    qdq_session,
+)
 from minillm.export.qdq import (  # noqa: E402
     QDQLinear,
     activation_scales,
@@ -41,10 +47,44 @@ def test_one_qdq_linear_on_ort_is_our_fake_quant_exactly(tmp_path) -> None:
         QDQLinear(lin, scale), (x,), tmp_path / "l.onnx", ["x"], ["y"], dynamo=False
     )
     assert op_counts(path)["QuantizeLinear"] == 2  # the input and the weight
-    got = torch.from_numpy(ort_session(path).run(None, {"x": x.numpy()})[0])
+    got = torch.from_numpy(qdq_session(path).run(None, {"x": x.numpy()})[0])
     with torch.no_grad():
         ref = FakeQuantLinear(lin, scale)(x)
     assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_which_cpus_saturate_is_read_from_the_vnni_flags() -> None:
+    if not int8_gemm_saturates(""):  # not x86-64: no vpmaddubsw, nothing to read
+        assert not int8_gemm_saturates("flags\t: fpu avx2")
+        return
+    assert int8_gemm_saturates("flags\t: fpu sse4_1 avx2 fma")
+    assert int8_gemm_saturates("flags\t: avx2 avx512f avx512bw")  # AVX512 without VNNI
+    for vnni in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        assert not int8_gemm_saturates(f"flags\t: avx2 avx512f {vnni}")
+
+
+@pytest.mark.skipif(
+    not int8_gemm_saturates(), reason="this CPU's int8 GEMM adds into int32 (VNNI, AMX or ARM)"
+)
+def test_ort_fused_int8_gemm_saturates_without_vnni_and_qdq_session_does_not(tmp_path) -> None:
+    """Every input at +127 steps (u8 255 after ORT's shift) times every weight at +127:
+    each pair of products is 64,770, past int16's 32,767, so `vpmaddubsw` clips it. ORT's
+    fused kernel loses much of the sum; `qdq_session` runs the graph as written."""
+    lin = nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(0.5)
+    x = torch.ones(4, 64)
+    path = export_module(
+        QDQLinear(lin, 1 / 127), (x,), tmp_path / "s.onnx", ["x"], ["y"], dynamo=False
+    )
+    with torch.no_grad():
+        ref = FakeQuantLinear(lin, 1 / 127)(x)
+    fused = ort_session(path, "all").run(None, {"x": x.numpy()})[0]
+    exact = qdq_session(path, "all").run(None, {"x": x.numpy()})[0]
+    assert np.allclose(exact, ref.numpy(), rtol=1e-5)
+    assert np.abs(fused - ref.numpy()).max() > 0.1 * ref.abs().max().item()
+    unfused = ort_session(path, "all", disabled_optimizers=QDQ_FUSIONS)
+    assert np.allclose(unfused.run(None, {"x": x.numpy()})[0], exact)
 
 
 @pytest.mark.parametrize("method", ["max", "percentile"])
@@ -66,7 +106,7 @@ def test_qdq_model_on_ort_is_close_to_our_fake_quant(model, tmp_path, method) ->
     with torch.inference_mode():
         ref, fp32 = fake_quantize_model(model, scales)(ids), model(ids)
     for level in ("disable", "all"):  # "all": ORT fuses the Q/DQ around MatMuls
-        got = ort_logits_fn(ort_session(path, level))(ids)
+        got = ort_logits_fn(qdq_session(path, level))(ids)
         assert (got - ref).norm() < 0.5 * (ref - fp32).norm(), level
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, level
 

@@ -7,6 +7,7 @@ The graphs come from `minillm.export.onnx`.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,17 +21,50 @@ from minillm.generation.loop import sample_loop
 from minillm.generation.sampling import SamplingParams, make_generator
 
 LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimisation levels, in order
+# The graph transformers that turn Q/DQ pairs around a MatMul into ORT's int8 kernels.
+QDQ_FUSIONS = ("QDQS8ToU8Transformer", "QDQSelectorActionTransformer")
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products into int32
+
+
+def int8_gemm_saturates(cpuinfo: str | None = None) -> bool:
+    """Whether ORT's fused int8 GEMMs can come out wrong on this CPU.
+
+    On x86-64 without VNNI (AVX2, or AVX512 without VNNI) MLAS multiplies u8 activations
+    (ORT shifts int8 ones by 128) by s8 weights with `vpmaddubsw`, which adds each pair of
+    products into int16 and saturates: 255 * 127 * 2 > 32767, so a GEMM whose inputs and
+    weights are both large loses part of its sum. VNNI's `vpdpbusd`, AMX and ARM's dot
+    products add into int32. Read from `cpuinfo` (default /proc/cpuinfo); an x86 CPU whose
+    flags cannot be read is taken to have no VNNI, the common case."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split()}
+    return not flags & set(VNNI_FLAGS)
+
+
+def qdq_session(path: str | Path | bytes, level: str = "all", threads: int = 1) -> Any:
+    """A session that computes what a Q/DQ graph means (quantize, dequantize, fp32 matmul)
+    on any CPU: where `int8_gemm_saturates`, ORT's Q/DQ fusions into int8 kernels are
+    switched off (the rest of `level` still runs), elsewhere ORT runs its int8 kernels,
+    which then compute the same numbers."""
+    off = QDQ_FUSIONS if int8_gemm_saturates() else ()
+    return ort_session(path, level, threads, disabled_optimizers=off)
 
 
 def ort_session(
-    path: str | Path,
+    path: str | Path | bytes,
     level: str = "all",
     threads: int = 1,
     optimized_path: str | Path | None = None,
     disabled_optimizers: Sequence[str] = (),
 ) -> Any:
-    """A CPU InferenceSession at graph optimisation `level` (disable / basic / extended /
-    all), `threads` intra-op threads; `optimized_path` saves the optimised graph."""
+    """A CPU InferenceSession of the graph at `path` (or its serialized bytes) at graph
+    optimisation `level` (disable / basic / extended / all), `threads` intra-op threads;
+    `optimized_path` saves the optimised graph."""
     import onnxruntime as ort
 
     levels = {
@@ -48,7 +82,7 @@ def ort_session(
     if optimized_path is not None:
         opts.optimized_model_filepath = str(optimized_path)
     return ort.InferenceSession(
-        str(path),
+        path if isinstance(path, bytes) else str(path),
         opts,
         providers=["CPUExecutionProvider"],
         disabled_optimizers=list(disabled_optimizers),
