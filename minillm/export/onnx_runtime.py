@@ -49,8 +49,8 @@ def int8_gemm_saturates(cpuinfo: str | None = None) -> bool:
 def qdq_session(path: str | Path | bytes, level: str = "all", threads: int = 1) -> Any:
     """A session that computes what a Q/DQ graph means (quantize, dequantize, fp32 matmul)
     on any CPU: where `int8_gemm_saturates`, ORT's Q/DQ fusions into int8 kernels are
-    switched off (the rest of `level` still runs), elsewhere ORT runs its int8 kernels,
-    which then compute the same numbers."""
+    switched off (the rest of `level` still runs); elsewhere ORT runs its int8 kernels,
+    which then compute the same numbers up to fp32 rounding."""
     off = QDQ_FUSIONS if int8_gemm_saturates() else ()
     return ort_session(path, level, threads, disabled_optimizers=off)
 
