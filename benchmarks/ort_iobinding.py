@@ -52,7 +52,7 @@ from minillm.export.onnx_runtime import OrtDecoder, ort_logits_fn, ort_session
 from minillm.export.onnx_static import OrtStaticDecoder, export_static_step
 from minillm.export.ort_genai import GenaiDecoder, build_genai_model, genai_missing
 from minillm.generation.cached import eager_decode_step, prefill
-from minillm.lab import paired_ratios, time_samples
+from minillm.lab import machine_info, paired_ratios, time_samples
 from minillm.model import Transformer, random_model, save_model
 from minillm.model.shapes import CONFIGS
 from minillm.model.weights import load_config
@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     contexts = ", ".join(map(str, args.context))
     print(f"{args.steps} decode steps after {contexts} tokens; GenAI: {genai}")
     result: dict[str, Any] = {"model": args.model, "context": args.context[0]}
+    result["machine"] = machine_info(args.threads)
     result["by_context"] = {}
     model = speed_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,7 @@ from torch import nn
 
 from benchmarks.quant import decode_step
 from minillm import load_model
-from minillm.lab import format_bytes, kernel_shares, profile_split, time_ratios
+from minillm.lab import format_bytes, kernel_shares, machine_info, profile_split, time_ratios
 from minillm.model import Transformer, random_model
 from minillm.model.shapes import CONFIGS
 from minillm.quant import quantize_model, weight_bytes
@@ -139,10 +139,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    # The kernels' speed depends on the instruction set (AVX2 vs AVX512: the int8/int4
-    # ratios differ by 1.5x between two CPUs here), so the run records it.
-    machine = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    machine |= {"threads": args.threads, "torch": torch.__version__}
+    # The kernels' speed depends on the CPU (AVX2 vs AVX512: the int8/int4 ratios differ
+    # by 1.5x between two CPUs here), so the run records it.
+    machine = machine_info(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), model {args.model}, ", end="")
     print(f"context {args.context}, CPU capability {machine['cpu_capability']}")
     models = variants(load(args.model))

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from minillm.lab import machine_info
+
 SEED = 0
 
 
@@ -55,6 +57,7 @@ class Run:
         """Add the run's options and duration, write the JSON if asked, print the summary."""
         results = {
             **results,
+            "machine": machine_info(self.args.threads),
             "threads": self.args.threads,
             "quick": getattr(self.args, "quick", False),
             "seconds": self.seconds,

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from minillm.lab import (
     Roofline,
     count_flops,
+    cpu_name,
     format_bytes,
+    machine_info,
     measure_roofline,
     paired_ratios,
     peak_tensor_bytes,
@@ -163,6 +165,36 @@ def test_rss_grows_when_a_large_tensor_is_touched():
         grew = rss_bytes() - before
         del big
     assert grew > size // 2
+
+
+# ------------------------------------------------------------------- which machine
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+"""
+
+
+def test_cpu_name_tells_cpus_with_one_marketing_name_apart():
+    assert cpu_name(ZEN4) == "AMD EPYC (family 25 model 17)"
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nProcessor\t: ARMv8 rev 1 (v8l)\n"
+    assert cpu_name(arm) == "ARMv8 rev 1 (v8l)"  # no family / model numbers on ARM
+
+
+def test_machine_info_records_what_a_ratio_depends_on():
+    info = machine_info(threads=3)
+    assert info["threads"] == 3 and info["torch"] == torch.__version__
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["cores"] >= 1 and info["cpu"]
 
 
 # ------------------------------------------------------------------- where time goes

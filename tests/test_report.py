@@ -19,4 +19,5 @@ def test_a_benchmark_writes_its_json_and_one_summary_line(tmp_path, capsys):
     assert summary.startswith("SUMMARY paged: real tokens fill") and summary.endswith(" s")
     saved = json.loads(out.read_text())
     assert saved["threads"] == 1 and saved["quick"] is True and saved["seconds"] > 0
+    assert saved["machine"]["threads"] == 1 and saved["machine"]["torch"] == torch.__version__
     assert saved["trace"]["requests"] == 40 == results["trace"]["requests"]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import gc
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ from minillm.bench.backends import (
 from minillm.bench.metrics import PeakMemory, Trace, compute_metrics
 from minillm.bench.openai_http import OpenAIBackend
 from minillm.bench.workload import Request, load_workload
+from minillm.lab.machine import machine_info
 
 
 def make_backend(spec: str, model_path: str | None, device: str, threads: int) -> Backend:
@@ -176,13 +176,8 @@ def run_bench(
                 out["same_as_minillm"] = sum(same) / len(same)
             rows.append(out)
     return {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "threads": threads,
-        },
+        "machine": machine_info(threads)
+        | {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"},
         "workload": {
             **desc,
             "requests": len(requests),

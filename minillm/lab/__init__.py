@@ -3,6 +3,7 @@ exact tensor memory, where time goes, the roofline; plots in `minillm.lab.plots`
 
 A leaf of the package: it imports nothing else of minillm."""
 
+from minillm.lab.machine import cpu_name, machine_info
 from minillm.lab.memory import (
     format_bytes,
     peak_tensor_bytes,
@@ -28,8 +29,10 @@ __all__ = [
     "TimeSplit",
     "count_flops",
     "count_ops",
+    "cpu_name",
     "format_bytes",
     "kernel_shares",
+    "machine_info",
     "measure_roofline",
     "ops_per_forward",
     "paired_ratios",
