@@ -19,6 +19,7 @@ from minillm.export.onnx import step_names
 from minillm.export.quiet import quiet
 from minillm.generation.loop import sample_loop
 from minillm.generation.sampling import SamplingParams, make_generator
+from minillm.lab import cpuinfo_fields
 
 LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimisation levels, in order
 # The graph transformers that turn Q/DQ pairs around a MatMul into ORT's int8 kernels.
@@ -37,13 +38,10 @@ def int8_gemm_saturates(cpuinfo: str | None = None) -> bool:
     flags cannot be read is taken to have no VNNI, the common case."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return True
-    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split()}
-    return not flags & set(VNNI_FLAGS)
+    fields = cpuinfo_fields(cpuinfo)
+    if fields is None:
+        return True
+    return not set(fields.get("flags", "").split()) & set(VNNI_FLAGS)
 
 
 def qdq_session(path: str | Path | bytes, level: str = "all", threads: int = 1) -> Any:

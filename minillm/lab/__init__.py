@@ -3,7 +3,7 @@ exact tensor memory, where time goes, the roofline; plots in `minillm.lab.plots`
 
 A leaf of the package: it imports nothing else of minillm."""
 
-from minillm.lab.machine import cpu_name, machine_info
+from minillm.lab.machine import cpu_name, cpuinfo_fields, machine_info
 from minillm.lab.memory import (
     format_bytes,
     peak_tensor_bytes,
@@ -30,6 +30,7 @@ __all__ = [
     "count_flops",
     "count_ops",
     "cpu_name",
+    "cpuinfo_fields",
     "format_bytes",
     "kernel_shares",
     "machine_info",

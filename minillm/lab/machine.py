@@ -17,19 +17,28 @@ from typing import Any
 import torch
 
 
-def cpu_name(cpuinfo: str | None = None) -> str:
-    """'<model name> (family F model M)' from `cpuinfo` (default /proc/cpuinfo), or
-    `platform.processor()` where there is no such file (macOS, Windows)."""
+def cpuinfo_fields(cpuinfo: str | None = None) -> dict[str, str] | None:
+    """The first core's `key: value` entries of `cpuinfo` (default /proc/cpuinfo: 'model
+    name', 'flags', ...); None where there is no such file (macOS, Windows)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return platform.processor() or platform.machine()
+            return None
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
         if sep:
-            fields.setdefault(key.strip(), value.strip())  # the first core's entry
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """'<model name> (family F model M)' from `cpuinfo` (default /proc/cpuinfo), or
+    `platform.processor()` where there is no such file."""
+    fields = cpuinfo_fields(cpuinfo)
+    if fields is None:
+        return platform.processor() or platform.machine()
     name = fields.get("model name") or fields.get("Processor") or platform.machine()
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']} model {fields['model']})"
