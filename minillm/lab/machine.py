@@ -1,10 +1,11 @@
 """Which machine a measurement came from, recorded in every result file.
 
 The same benchmark gives different ratios on different CPUs: int8 decode on torch's
-weight-only kernel ran 1.17x fp32 on an AVX2 EPYC, 1.48-1.51x on a Zen 4 EPYC and 1.79x on a
-third, AVX512 machine (`benchmarks.quant_decode`). A figure is only checkable with its
-machine beside it, and a cloud VM's CPU name alone ("AMD EPYC") does not tell them
-apart: its family and model numbers do (family 25 model 17 is Zen 4).
+weight-only kernel ran 1.17x fp32 on an AVX2 EPYC, 1.48-1.51x on a Zen 4 EPYC and 1.79x on
+a third, AVX512 machine, all three with the same code (`benchmarks.quant_decode`). A
+figure is only checkable with its machine beside it, and a cloud VM's CPU name alone
+("AMD EPYC") does not tell them apart: its family and model numbers do (family 25 model
+17 is Zen 4).
 """
 
 from __future__ import annotations
