@@ -78,12 +78,11 @@ class Int8Kernel:
     """y = x @ (q * scale).T with `_weight_int8pack_mm`, activations cast to `dtype`
     (bf16: the fast path; fp32: the slow exact one, which tests use to check layouts).
 
-    A plain callable, not an `nn.Module`: at batch 1 a decode step calls ~200 linear layers
-    and the kernel itself takes 10-20 us, so the 5-8 us a nested module call and its buffer
-    lookups cost were a quarter of the int4 step's Python time (SmolLM2-135M on a Zen 4 EPYC,
-    benchmarks/quant_decode.py, 3 runs each: int4 1.90-1.95x fp32 as a module, 2.00-2.07x as
-    a plain callable). It holds CPU tensors only, which
-    is all the kernel runs on."""
+    A plain callable, not an `nn.Module`: at batch 1 a decode step calls one kernel per
+    linear layer (210 in SmolLM2-135M) and each takes 10-20 us, so the 5-8 us a nested
+    module call and its buffer lookups added were a real share of the step (Zen 4 EPYC,
+    benchmarks/quant_decode.py, 3 runs each: int4 1.90-1.95x fp32 as a module, 2.00-2.07x
+    as a plain callable). It holds CPU tensors only, which is all the kernel runs on."""
 
     __slots__ = ("q", "scale", "dtype")
 
@@ -98,7 +97,8 @@ class Int8Kernel:
         self.dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _INT8_MM(x.reshape(-1, x.shape[-1]).to(self.dtype), self.q, self.scale)
+        flat = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        y = _INT8_MM(flat, self.q, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
