@@ -10,11 +10,13 @@ onnxruntime-genai is installed.
 (a) speed: `--steps` decode steps after a `--context`-token prompt, batch 1, the same
     work in every timed call (each variant restarts from the same prefilled cache), all
     variants A/B interleaved; ratios to the plain loop (> 1: faster), minillm's own
-    PyTorch decode (`KVCache`) among them. IOBinding three times:
+    PyTorch decode (`KVCache`) among them. IOBinding four times:
     with the exporter's grouped-query attention (K/V repeated per query head, a copy of
-    the cache per step), with `grouped_attention` (no copy), and with opset 23's
+    the cache per step), with `grouped_attention` (no copy), with opset 23's
     RMSNormalization, RotaryEmbedding and Attention nodes (`onnx_llm_ops`: half the
-    nodes: 843 instead of 1791 for SmolLM2). `--model`:
+    nodes: 843 instead of 1791 for SmolLM2), and with ORT's GroupQueryAttention node
+    (`export_gqa_step`: RoPE, the cache write and attention in one node a layer, as ORT
+    GenAI's graph has them). `--model`:
     'bundled-1k' (the bundled model's shapes with a 1024-token context, random weights:
     the bundled model itself stops at 256 positions), a shape name of
     `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB), or a
@@ -27,7 +29,8 @@ onnxruntime-genai is installed.
     at most 1 / (1 - f) (Amdahl); with c the share of copies and attention together, no
     loop that keeps the other kernels beats 1 / (1 - c). Both next to the measured ratios.
 (c) correctness and quality on the bundled model (trained weights): greedy tokens of the
-    plain loop, IOBinding, minillm (and ORT GenAI fp32 / int4), held-out perplexity.
+    plain loop, IOBinding (grouped, GroupQueryAttention), minillm (and ORT GenAI fp32 /
+    int4), held-out perplexity.
 One SUMMARY line.
 """
 
@@ -48,6 +51,7 @@ import torch
 from minillm import BUNDLED_DIR, SamplingParams, generate, load_model, load_tokenizer
 from minillm.export import ort_profile as prof
 from minillm.export.onnx import export_decoder_step
+from minillm.export.onnx_gqa import OrtGqaDecoder, export_gqa_step
 from minillm.export.onnx_runtime import OrtDecoder, ort_logits_fn, ort_session
 from minillm.export.onnx_static import OrtStaticDecoder, export_static_step
 from minillm.export.ort_genai import GenaiDecoder, build_genai_model, genai_missing
@@ -64,6 +68,7 @@ STATIC_REPEAT = "IOBinding, K/V repeated"  # the exporter's GQA: repeats K/V per
 STATIC = "IOBinding, grouped"  # attention per kv head: no copy of the cache at all
 STATIC_OPS = "IOBinding, opset-23 ops"  # RMSNormalization, RotaryEmbedding, Attention nodes
 STATIC_GRAPHS = {STATIC_REPEAT: {"grouped": False}, STATIC: {}, STATIC_OPS: {"llm_ops": True}}
+GQA = "IOBinding, GroupQueryAttention"  # ORT's contrib node: RoPE, cache write, attention
 
 
 def speed_model(name: str) -> Transformer:
@@ -123,6 +128,23 @@ def static_runner(session: Any, prompt: list[int], steps: int) -> Callable[[], A
     return run_static
 
 
+def gqa_runner(session: Any, prompt: list[int], steps: int) -> Callable[[], Any]:
+    """`OrtGqaDecoder` after `prompt`: the same steps, slots len(prompt).. rewritten in
+    place every call (row 0 holds len(prompt) + i tokens before step i)."""
+    context = len(prompt)
+    gqa = OrtGqaDecoder(session, max_len=context + steps)
+    gqa.allocate(1)
+    gqa.step(np.array([prompt]), np.array([context - 1]), context)
+    token = np.array([[7]], np.int64)
+
+    def run_gqa() -> Any:
+        for i in range(steps):
+            logits = gqa.step(token, np.array([context + i]), context + i + 1)
+        return logits
+
+    return run_gqa
+
+
 def speed_prompt(model: Transformer, context: int) -> list[int]:
     """The timed prompt: `context` random token ids (seeded)."""
     g = torch.Generator().manual_seed(0)
@@ -140,6 +162,8 @@ def speed_fns(
         path = static_graph(workdir, name)
         path = _once(path, lambda p=path, o=options: export_static_step(model, p, **o))
         fns[name] = static_runner(ort_session(path, threads=threads), prompt, steps)
+    path = _once(workdir / "gqa.onnx", lambda: export_gqa_step(model, workdir / "gqa.onnx"))
+    fns[GQA] = gqa_runner(ort_session(path, threads=threads), prompt, steps)
 
     with torch.inference_mode():
         cache, _, lengths = prefill(model, [prompt], steps)
@@ -227,11 +251,13 @@ def quality(workdir: Path, max_tokens: int = 32, windows: int = 8) -> dict[str, 
     static = OrtStaticDecoder(
         ort_session(export_static_step(model, workdir / "q_static.onnx")), max_len=128
     )
+    gqa = OrtGqaDecoder(ort_session(export_gqa_step(model, workdir / "q_gqa.onnx")), 128)
     ref = generate(model, prompts, params)
     out: dict[str, Any] = {
         "tokens_equal": {
             PLAIN: plain.generate(prompts, params) == ref,
             STATIC: static.generate(prompts, params) == ref,
+            GQA: gqa.generate(prompts, params) == ref,
         }
     }
     ids = held_out_ids(tok)
@@ -261,7 +287,7 @@ def split_report(splits: dict[str, prof.StepSplit], speedup: dict[str, float]) -
     f, c = splits[PLAIN].copy_fraction, splits[PLAIN].cache_fraction
     out: dict[str, Any] = {"copy_fraction": f, "bound": prof.amdahl_bound(f)}
     out |= {"cache_fraction": c, "cache_bound": prof.amdahl_bound(c)}
-    measured = (STATIC, STATIC_OPS, GENAI)
+    measured = (STATIC, STATIC_OPS, GQA, GENAI)
     out["measured"] = {name: speedup[name] for name in measured if name in speedup}
     out["split_ms"] = {
         name: {**s.kinds, "outside kernels": s.outside, "step": s.step_ms}
@@ -321,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             at: dict[str, Any] = {"speedup": speedup}
             print(f"\n(a) decode after {context} tokens, speed-up over the plain ORT loop:")
             for name, x in speedup.items():
-                print(f"    {name:<28}{x:>7.2f}x")
+                print(f"    {name:<32}{x:>7.2f}x")
             if not args.no_profile:
                 step_ms = {n: 1e3 * statistics.median(t) / args.steps for n, t in samples.items()}
                 splits = step_splits(model, Path(tmp), context, args.steps, args.threads, step_ms)
@@ -339,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = at["speedup"]
         line += (
             f" decode@{context} IOBinding {s[STATIC]:.2f}x (K/V repeated {s[STATIC_REPEAT]:.2f}x,"
-            f" opset-23 ops {s[STATIC_OPS]:.2f}x)"
+            f" opset-23 ops {s[STATIC_OPS]:.2f}x, GroupQueryAttention {s[GQA]:.2f}x)"
         )
         if GENAI in s:
             line += f", GenAI {s[GENAI]:.2f}x"

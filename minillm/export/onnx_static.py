@@ -28,12 +28,15 @@ x / sqrt(.) form, not torch's x * rsqrt(.)), RoPE as six per tensor, attention a
 dozen. ONNX opset 23 has an op for each of the three (RMSNormalization, RotaryEmbedding,
 Attention with grouped-query heads), the standard counterparts of the contrib ops ORT
 GenAI's builder writes; `onnx_llm_ops` exports the model with them (`llm_ops=True`).
+`minillm.export.onnx_gqa` goes one step further, to GenAI's own GroupQueryAttention node
+(RoPE, the cache write and attention in one); its decoder shares `SharedBufferDecoder`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,16 +124,28 @@ def grouped_attention() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def onnx_rms_norm() -> Iterator[None]:
+    """Export each RMSNorm as one opset-23 RMSNormalization node (`F.rms_norm`) instead of
+    the seven elementary ops torch's x * rsqrt(.) form becomes."""
+    norm = transformer.RMSNorm.forward
+
+    def rms_norm(self: transformer.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    transformer.RMSNorm.forward = rms_norm
+    try:
+        yield
+    finally:
+        transformer.RMSNorm.forward = norm
+
+
+@contextlib.contextmanager
 def onnx_llm_ops() -> Iterator[None]:
     """Export the model's RMSNorm, RoPE and attention as single opset-23 nodes
     (RMSNormalization, RotaryEmbedding, Attention) instead of the elementary ops they are
     written in. `torch.onnx.ops` gives each a PyTorch reference the trace runs, so the
     exported graph computes what the model computes (tests/test_onnx_static.py)."""
-    norm, rope = transformer.RMSNorm.forward, transformer.apply_rope
-    sdpa = F.scaled_dot_product_attention
-
-    def rms_norm(self: transformer.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    rope, sdpa = transformer.apply_rope, F.scaled_dot_product_attention
 
     def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = cos.shape[-1] // 2  # the tables repeat each angle for channels i and i + d/2
@@ -151,13 +166,12 @@ def onnx_llm_ops() -> Iterator[None]:
         heads = {"q_num_heads": q.shape[1], "kv_num_heads": k.shape[1]}
         return torch.onnx.ops.attention(q, k, v, attn_mask, scale=scale, **heads)[0]
 
-    transformer.RMSNorm.forward, transformer.apply_rope = rms_norm, apply_rope
-    F.scaled_dot_product_attention = attention
+    transformer.apply_rope, F.scaled_dot_product_attention = apply_rope, attention
     try:
-        yield
+        with onnx_rms_norm():
+            yield
     finally:
-        transformer.RMSNorm.forward, transformer.apply_rope = norm, rope
-        F.scaled_dot_product_attention = sdpa
+        transformer.apply_rope, F.scaled_dot_product_attention = rope, sdpa
 
 
 class StaticStepGraph(nn.Module):
@@ -180,9 +194,14 @@ class StaticStepGraph(nn.Module):
         return (logits, *(t for kv in cache.present for t in kv))
 
 
+def kv_names(num_layers: int) -> list[str]:
+    """key_0, value_0, key_1, ...: each layer's cache tensors, `past_` in and `present_` out."""
+    return [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
 def static_names(num_layers: int) -> tuple[list[str], list[str]]:
     """Input and output names of the static-cache step graph."""
-    kv = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+    kv = kv_names(num_layers)
     inputs = ["input_ids", "position_ids", "attention_mask", "cache_position"]
     return inputs + [f"past_{n}" for n in kv], ["logits", *(f"present_{n}" for n in kv)]
 
@@ -231,14 +250,21 @@ def export_static_step(
     return Path(path)
 
 
-class OrtStaticDecoder:
-    """Generation on a static-cache step graph with IOBinding: K/V buffers allocated once
-    (`max_len` slots per row), each bound as both the past input and the present output."""
+class SharedBufferDecoder(ABC):
+    """Generation with IOBinding on a graph whose past and present K/V are one buffer:
+    `max_len` slots per row allocated once, each bound as both the past input and the
+    present output of its layer. Subclasses say how a graph is fed (`prefill`)."""
+
+    GRAPH_INPUT = ""  # the input that tells this decoder's graphs from the others
+    EXPORTER = ""  # the function that exports them
 
     def __init__(self, session: Any, max_len: int, eos_token_id: int | None = None) -> None:
         inputs = {i.name: i for i in session.get_inputs()}
-        if "cache_position" not in inputs:
-            raise ValueError("not a static-cache step graph: export it with export_static_step")
+        if self.GRAPH_INPUT not in inputs:
+            raise ValueError(
+                f"not a graph for {type(self).__name__} (no {self.GRAPH_INPUT} input): "
+                f"export it with {self.EXPORTER}"
+            )
         self.session, self.max_len = session, max_len
         self.num_layers = sum(name.startswith("past_key_") for name in inputs)
         _, kv_heads, _, head_dim = inputs["past_key_0"].shape
@@ -262,30 +288,29 @@ class OrtStaticDecoder:
 
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first: get_outputs() lists in binding order
-        inputs, outputs = static_names(self.num_layers)
-        for buf, past, present in zip(self.buffers, inputs[4:], outputs[1:], strict=True):
+        for buf, name in zip(self.buffers, kv_names(self.num_layers), strict=True):
             value = ort.OrtValue.ortvalue_from_numpy(buf)
-            self.binding.bind_ortvalue_input(past, value)
-            self.binding.bind_ortvalue_output(present, value)
+            self.binding.bind_ortvalue_input(f"past_{name}", value)
+            self.binding.bind_ortvalue_output(f"present_{name}", value)
 
-    def step(
-        self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, slots: np.ndarray
-    ) -> np.ndarray:
-        """One run writing K/V at `slots`; returns logits [B, T, vocab]."""
+    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """One run with these small inputs bound (the cache stays bound): logits [B, T, vocab]."""
         b = self.binding
-        for name, value in (
-            ("input_ids", ids),
-            ("position_ids", positions),
-            ("attention_mask", mask),
-            ("cache_position", slots),
-        ):
-            b.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.int64))
+        for name, value in feeds.items():
+            b.bind_cpu_input(name, value)
         b.bind_output("logits")  # unallocated: ORT sizes it per run (prefill, then decode)
         self.session.run_with_iobinding(b)
         return b.get_outputs()[0].numpy()
 
+    @abstractmethod
+    def prefill(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """Run the prompts into the allocated cache; return each row's last logits
+        [B, vocab] and the step the sampling loop calls with each row's new token [B]."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """As `OrtDecoder.generate` (left-padded prompts, same sampling), on the static cache."""
+        """As `OrtDecoder.generate` (same sampling), on the shared cache buffers."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: give at least one token per prompt")
         longest = max(len(p) for p in prompts)
@@ -295,6 +320,31 @@ class OrtStaticDecoder:
                 f"{self.max_len} slots: build the decoder with a larger max_len"
             )
         self.allocate(len(prompts))
+        logits, step = self.prefill(prompts)
+        eos = [] if self.eos is None or params.ignore_eos else self.eos
+        stops = {*([eos] if isinstance(eos, int) else eos), *params.stop_token_ids}
+        generators = [make_generator(params.seed) for _ in prompts]
+        return sample_loop(logits, params, step, stops, generators)
+
+
+class OrtStaticDecoder(SharedBufferDecoder):
+    """The static-cache step graph (`export_static_step`): prompts left-padded, one
+    `cache_position` for every row, an attention mask over the slots."""
+
+    GRAPH_INPUT, EXPORTER = "cache_position", "export_static_step"
+
+    def step(
+        self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, slots: np.ndarray
+    ) -> np.ndarray:
+        """One run writing K/V at `slots`; returns logits [B, T, vocab]."""
+        feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        feeds["cache_position"] = slots
+        return self.run({n: np.ascontiguousarray(v, dtype=np.int64) for n, v in feeds.items()})
+
+    def prefill(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        longest = max(len(p) for p in prompts)
         ids = np.zeros((len(prompts), longest), np.int64)
         mask = np.zeros((len(prompts), self.max_len), np.int64)
         for b, p in enumerate(prompts):
@@ -302,8 +352,6 @@ class OrtStaticDecoder:
         positions = np.maximum(mask[:, :longest].cumsum(1) - 1, 0)
         logits = self.step(ids, positions, mask, np.arange(longest))[:, -1]
         slot, pos = longest, positions[:, -1] + 1
-        eos = [] if self.eos is None or params.ignore_eos else self.eos
-        stops = {*([eos] if isinstance(eos, int) else eos), *params.stop_token_ids}
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             nonlocal slot, pos
@@ -312,5 +360,4 @@ class OrtStaticDecoder:
             slot, pos = slot + 1, pos + 1
             return torch.from_numpy(out[:, -1])
 
-        generators = [make_generator(params.seed) for _ in prompts]
-        return sample_loop(torch.from_numpy(logits), params, step, stops, generators)
+        return torch.from_numpy(logits), step
