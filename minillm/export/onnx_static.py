@@ -337,9 +337,11 @@ class OrtStaticDecoder(SharedBufferDecoder):
         self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, slots: np.ndarray
     ) -> np.ndarray:
         """One run writing K/V at `slots`; returns logits [B, T, vocab]."""
-        feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
-        feeds["cache_position"] = slots
-        return self.run({n: np.ascontiguousarray(v, dtype=np.int64) for n, v in feeds.items()})
+        names = ("input_ids", "position_ids", "attention_mask", "cache_position")
+        values = (ids, positions, mask, slots)
+        return self.run(
+            {n: np.ascontiguousarray(v, np.int64) for n, v in zip(names, values, strict=True)}
+        )
 
     def prefill(
         self, prompts: list[list[int]]
