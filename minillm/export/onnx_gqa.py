@@ -34,12 +34,8 @@ from torch import nn
 from minillm.export.onnx import add_metadata, export_module
 from minillm.export.onnx_checks import check_onnx
 from minillm.export.onnx_runtime import graph_metadata
-from minillm.export.onnx_static import (
-    LLM_OPSET,
-    SharedBufferDecoder,
-    kv_names,
-    onnx_rms_norm,
-)
+from minillm.export.onnx_static import LLM_OPSET, onnx_rms_norm
+from minillm.export.ort_binding import SharedBufferDecoder, kv_names
 from minillm.model import transformer
 from minillm.model.transformer import Transformer, rope_cos_sin
 

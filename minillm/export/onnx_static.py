@@ -29,16 +29,15 @@ dozen. ONNX opset 23 has an op for each of the three (RMSNormalization, RotaryEm
 Attention with grouped-query heads), the standard counterparts of the contrib ops ORT
 GenAI's builder writes; `onnx_llm_ops` exports the model with them (`llm_ops=True`).
 `minillm.export.onnx_gqa` goes one step further, to GenAI's own GroupQueryAttention node
-(RoPE, the cache write and attention in one); its decoder shares `SharedBufferDecoder`.
+(RoPE, the cache write and attention in one). Both decoders share their IOBinding code
+(`minillm.export.ort_binding.SharedBufferDecoder`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -48,9 +47,7 @@ from torch import nn
 from minillm.cache.protocol import SdpaCache
 from minillm.export.onnx import add_metadata, export_module
 from minillm.export.onnx_checks import check_onnx
-from minillm.export.onnx_runtime import graph_metadata
-from minillm.generation.loop import sample_loop
-from minillm.generation.sampling import SamplingParams, make_generator
+from minillm.export.ort_binding import SharedBufferDecoder, kv_names
 from minillm.model import transformer
 from minillm.model.transformer import Transformer
 
@@ -194,11 +191,6 @@ class StaticStepGraph(nn.Module):
         return (logits, *(t for kv in cache.present for t in kv))
 
 
-def kv_names(num_layers: int) -> list[str]:
-    """key_0, value_0, key_1, ...: each layer's cache tensors, `past_` in and `present_` out."""
-    return [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-
-
 def static_names(num_layers: int) -> tuple[list[str], list[str]]:
     """Input and output names of the static-cache step graph."""
     kv = kv_names(num_layers)
@@ -248,83 +240,6 @@ def export_static_step(
     add_metadata(path, model, axes)
     check_onnx(path, dynamic=axes)
     return Path(path)
-
-
-class SharedBufferDecoder(ABC):
-    """Generation with IOBinding on a graph whose past and present K/V are one buffer:
-    `max_len` slots per row allocated once, each bound as both the past input and the
-    present output of its layer. Subclasses say how a graph is fed (`prefill`)."""
-
-    GRAPH_INPUT = ""  # the input that tells this decoder's graphs from the others
-    EXPORTER = ""  # the function that exports them
-
-    def __init__(self, session: Any, max_len: int, eos_token_id: int | None = None) -> None:
-        inputs = {i.name: i for i in session.get_inputs()}
-        if self.GRAPH_INPUT not in inputs:
-            raise ValueError(
-                f"not a graph for {type(self).__name__} (no {self.GRAPH_INPUT} input): "
-                f"export it with {self.EXPORTER}"
-            )
-        self.session, self.max_len = session, max_len
-        self.num_layers = sum(name.startswith("past_key_") for name in inputs)
-        _, kv_heads, _, head_dim = inputs["past_key_0"].shape
-        self.kv_shape = (int(kv_heads), int(head_dim))
-        eos = (
-            eos_token_id
-            if eos_token_id is not None
-            else graph_metadata(session).get("eos_token_id")
-        )
-        self.eos = eos
-        self.buffers: list[np.ndarray] = []
-        self.binding: Any = None
-
-    def allocate(self, batch: int) -> None:
-        """Zeroed K/V buffers for `batch` rows, bound as past and present of every layer."""
-        h, d = self.kv_shape
-        self.buffers = [
-            np.zeros((batch, h, self.max_len, d), np.float32) for _ in range(2 * self.num_layers)
-        ]
-        import onnxruntime as ort
-
-        self.binding = self.session.io_binding()
-        self.binding.bind_output("logits")  # first: get_outputs() lists in binding order
-        for buf, name in zip(self.buffers, kv_names(self.num_layers), strict=True):
-            value = ort.OrtValue.ortvalue_from_numpy(buf)
-            self.binding.bind_ortvalue_input(f"past_{name}", value)
-            self.binding.bind_ortvalue_output(f"present_{name}", value)
-
-    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        """One run with these small inputs bound (the cache stays bound): logits [B, T, vocab]."""
-        b = self.binding
-        for name, value in feeds.items():
-            b.bind_cpu_input(name, value)
-        b.bind_output("logits")  # unallocated: ORT sizes it per run (prefill, then decode)
-        self.session.run_with_iobinding(b)
-        return b.get_outputs()[0].numpy()
-
-    @abstractmethod
-    def prefill(
-        self, prompts: list[list[int]]
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """Run the prompts into the allocated cache; return each row's last logits
-        [B, vocab] and the step the sampling loop calls with each row's new token [B]."""
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """As `OrtDecoder.generate` (same sampling), on the shared cache buffers."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: give at least one token per prompt")
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_tokens > self.max_len:
-            raise ValueError(
-                f"prompt ({longest}) + max_tokens ({params.max_tokens}) exceeds the cache's "
-                f"{self.max_len} slots: build the decoder with a larger max_len"
-            )
-        self.allocate(len(prompts))
-        logits, step = self.prefill(prompts)
-        eos = [] if self.eos is None or params.ignore_eos else self.eos
-        stops = {*([eos] if isinstance(eos, int) else eos), *params.stop_token_ids}
-        generators = [make_generator(params.seed) for _ in prompts]
-        return sample_loop(logits, params, step, stops, generators)
 
 
 class OrtStaticDecoder(SharedBufferDecoder):
