@@ -10,13 +10,15 @@ onnxruntime-genai is installed.
 (a) speed: `--steps` decode steps after a `--context`-token prompt, batch 1, the same
     work in every timed call (each variant restarts from the same prefilled cache), all
     variants A/B interleaved; ratios to the plain loop (> 1: faster), minillm's own
-    PyTorch decode (`KVCache`) among them. IOBinding four times:
+    PyTorch decode (`KVCache`) among them. IOBinding five times:
     with the exporter's grouped-query attention (K/V repeated per query head, a copy of
     the cache per step), with `grouped_attention` (no copy), with opset 23's
     RMSNormalization, RotaryEmbedding and Attention nodes (`onnx_llm_ops`: half the
-    nodes: 843 instead of 1791 for SmolLM2), and with ORT's GroupQueryAttention node
-    (`export_gqa_step`: RoPE, the cache write and attention in one node a layer, as ORT
-    GenAI's graph has them). `--model`:
+    nodes: 843 instead of 1791 for SmolLM2), with ORT's GroupQueryAttention node
+    (`export_gqa_step(fuse=False)`: RoPE, the cache write and attention in one node a
+    layer, as ORT GenAI's graph has them), and with GenAI's two other fusions on that
+    graph (`fuse_gqa_graph`: q, k, v packed into one product, residual Add and RMSNorm
+    as one node). `--model`:
     'bundled-1k' (the bundled model's shapes with a 1024-token context, random weights:
     the bundled model itself stops at 256 positions), a shape name of
     `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB), or a
@@ -29,7 +31,8 @@ onnxruntime-genai is installed.
     at most 1 / (1 - f) (Amdahl); with c the share of copies and attention together, no
     loop that keeps the other kernels beats 1 / (1 - c). Both next to the measured ratios.
 (c) correctness and quality on the bundled model (trained weights): greedy tokens of the
-    plain loop, IOBinding (grouped, GroupQueryAttention), minillm (and ORT GenAI fp32 /
+    plain loop, IOBinding (grouped, GroupQueryAttention traced and fused), minillm (and
+    ORT GenAI fp32 /
     int4), held-out perplexity.
 One SUMMARY line.
 """
@@ -69,6 +72,8 @@ STATIC = "IOBinding, grouped"  # attention per kv head: no copy of the cache at 
 STATIC_OPS = "IOBinding, opset-23 ops"  # RMSNormalization, RotaryEmbedding, Attention nodes
 STATIC_GRAPHS = {STATIC_REPEAT: {"grouped": False}, STATIC: {}, STATIC_OPS: {"llm_ops": True}}
 GQA = "IOBinding, GroupQueryAttention"  # ORT's contrib node: RoPE, cache write, attention
+GQA_FUSED = "IOBinding, GQA + GenAI's fusions"  # packed q/k/v, Add + RMSNorm as one node
+GQA_GRAPHS = {GQA: False, GQA_FUSED: True}  # variant: export_gqa_step's `fuse`
 
 
 def speed_model(name: str) -> Transformer:
@@ -162,8 +167,10 @@ def speed_fns(
         path = static_graph(workdir, name)
         path = _once(path, lambda p=path, o=options: export_static_step(model, p, **o))
         fns[name] = static_runner(ort_session(path, threads=threads), prompt, steps)
-    path = _once(workdir / "gqa.onnx", lambda: export_gqa_step(model, workdir / "gqa.onnx"))
-    fns[GQA] = gqa_runner(ort_session(path, threads=threads), prompt, steps)
+    for name, fuse in GQA_GRAPHS.items():
+        path = workdir / f"gqa{int(fuse)}.onnx"
+        path = _once(path, lambda p=path, f=fuse: export_gqa_step(model, p, fuse=f))
+        fns[name] = gqa_runner(ort_session(path, threads=threads), prompt, steps)
 
     with torch.inference_mode():
         cache, _, lengths = prefill(model, [prompt], steps)
@@ -178,7 +185,8 @@ def speed_fns(
 
     fns[MINILLM] = run_minillm
     if genai_missing() is None:
-        gen = GenaiDecoder(_once(workdir / "genai", lambda: _genai_build(model, workdir)))
+        genai_dir = _once(workdir / "genai", lambda: _genai_build(model, workdir))
+        gen = GenaiDecoder(genai_dir, threads)
         generator = gen.generator(prompt, context + steps + 1)
 
         def run_genai() -> Any:
@@ -251,15 +259,17 @@ def quality(workdir: Path, max_tokens: int = 32, windows: int = 8) -> dict[str, 
     static = OrtStaticDecoder(
         ort_session(export_static_step(model, workdir / "q_static.onnx")), max_len=128
     )
-    gqa = OrtGqaDecoder(ort_session(export_gqa_step(model, workdir / "q_gqa.onnx")), 128)
     ref = generate(model, prompts, params)
     out: dict[str, Any] = {
         "tokens_equal": {
             PLAIN: plain.generate(prompts, params) == ref,
             STATIC: static.generate(prompts, params) == ref,
-            GQA: gqa.generate(prompts, params) == ref,
         }
     }
+    for name, fuse in GQA_GRAPHS.items():
+        path = export_gqa_step(model, workdir / f"q_gqa{int(fuse)}.onnx", fuse=fuse)
+        gqa = OrtGqaDecoder(ort_session(path), 128)
+        out["tokens_equal"][name] = gqa.generate(prompts, params) == ref
     ids = held_out_ids(tok)
     kw = {"window": 128, "max_windows": windows}
     out["ppl"] = {
@@ -287,7 +297,7 @@ def split_report(splits: dict[str, prof.StepSplit], speedup: dict[str, float]) -
     f, c = splits[PLAIN].copy_fraction, splits[PLAIN].cache_fraction
     out: dict[str, Any] = {"copy_fraction": f, "bound": prof.amdahl_bound(f)}
     out |= {"cache_fraction": c, "cache_bound": prof.amdahl_bound(c)}
-    measured = (STATIC, STATIC_OPS, GQA, GENAI)
+    measured = (STATIC, STATIC_OPS, GQA, GQA_FUSED, GENAI)
     out["measured"] = {name: speedup[name] for name in measured if name in speedup}
     out["split_ms"] = {
         name: {**s.kinds, "outside kernels": s.outside, "step": s.step_ms}
@@ -365,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = at["speedup"]
         line += (
             f" decode@{context} IOBinding {s[STATIC]:.2f}x (K/V repeated {s[STATIC_REPEAT]:.2f}x,"
-            f" opset-23 ops {s[STATIC_OPS]:.2f}x, GroupQueryAttention {s[GQA]:.2f}x)"
+            f" opset-23 ops {s[STATIC_OPS]:.2f}x, GroupQueryAttention {s[GQA]:.2f}x,"
+            f" with GenAI's fusions {s[GQA_FUSED]:.2f}x)"
         )
         if GENAI in s:
             line += f", GenAI {s[GENAI]:.2f}x"

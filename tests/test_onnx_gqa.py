@@ -19,9 +19,11 @@ from minillm.export.onnx_static import OrtStaticDecoder, export_static_step  # n
 from minillm.model import random_model  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def gqa_path(model, tmp_path_factory):
-    return export_gqa_step(model, tmp_path_factory.mktemp("gqa") / "gqa.onnx")
+@pytest.fixture(scope="module", params=["fused", "traced"])
+def gqa_path(model, tmp_path_factory, request):
+    """The graph as `export_gqa_step` writes it, and as traced (`fuse=False`)."""
+    path = tmp_path_factory.mktemp("gqa") / "gqa.onnx"
+    return export_gqa_step(model, path, fuse=request.param == "fused")
 
 
 def test_one_node_per_layer_reads_and_writes_the_cache(model, gqa_path, tmp_path) -> None:
@@ -32,7 +34,8 @@ def test_one_node_per_layer_reads_and_writes_the_cache(model, gqa_path, tmp_path
     graph = onnx.load(str(gqa_path)).graph
     n, ops = model.config.num_hidden_layers, op_counts(gqa_path)
     assert ops["com.microsoft.GroupQueryAttention"] == n
-    assert ops["RMSNormalization"] == 2 * n + 1
+    norms = ops["RMSNormalization"] + ops["com.microsoft.SkipSimplifiedLayerNormalization"]
+    assert norms == 2 * n + 1
     assert not {"ScatterElements", "Softmax", "Neg", "Cos", "Sin", "Pow"} & set(ops)
     assert ops["Transpose"] <= 1  # the tied lm_head's weight, if anything
     producer = {out: node for node in graph.node for out in node.output}
@@ -111,3 +114,5 @@ def test_gqa_names_the_fixes(model, gqa_path, prompts, tmp_path, tiny_config) ->
     with pytest.raises(RuntimeError, match="inside an ONNX export"):
         x = torch.zeros(1, 4, 1, 32)
         cache.attention(0, x, x[:, :2], x[:, :2], torch.zeros(1, 1))
+    with pytest.raises(RuntimeError, match=r"allocate\(batch\) first"):
+        OrtGqaDecoder(ort_session(gqa_path), max_len=8).prefill(prompts[:1])

@@ -13,14 +13,24 @@ from minillm.model.weights import BUNDLED_DIR
 
 
 @pytest.fixture(scope="module")
-def genai(tmp_path_factory) -> GenaiDecoder:
-    out = build_genai_model(BUNDLED_DIR, tmp_path_factory.mktemp("genai"), "fp32")
-    return GenaiDecoder(out)
+def genai_dir(tmp_path_factory):
+    return build_genai_model(BUNDLED_DIR, tmp_path_factory.mktemp("genai"), "fp32")
+
+
+@pytest.fixture(scope="module")
+def genai(genai_dir) -> GenaiDecoder:
+    return GenaiDecoder(genai_dir)
 
 
 def test_genai_decodes_minillms_greedy_tokens(genai, model, prompts):
     want = generate(model, prompts, SamplingParams(temperature=0, max_tokens=16))
     assert genai.generate(prompts, 16) == want
+
+
+def test_two_threads_decode_the_same_tokens(genai, genai_dir, prompts):
+    """The thread count goes into the session options GenAI reads (a config overlay: GenAI
+    refuses a key it does not know), and changes no token."""
+    assert GenaiDecoder(genai_dir, threads=2).generate(prompts, 16) == genai.generate(prompts, 16)
 
 
 @torch.inference_mode()

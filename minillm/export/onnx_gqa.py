@@ -6,7 +6,9 @@ K/V into the cache buffer, and grouped-query attention over the row's cached tok
 SmolLM2 at 512 tokens that node takes 2.6 ms a step where the opset-23 graph's Attention,
 ScatterElements and RotaryEmbedding take 4.3 ms (CLAIMS 03.8). This module writes the same
 node into *our* export: `torch.onnx.ops.symbolic_multi_out` puts any ONNX op in the graph,
-and `GqaCache` is the cache protocol spelled as that op.
+and `GqaCache` is the cache protocol spelled as that op. `export_gqa_step` then rewrites
+the traced graph into the shape of GenAI's (`minillm.export.onnx_gqa_fuse`: q, k and v as
+one packed product, each residual Add inside its norm).
 
 GQA's cache contract is not the static graph's. There is no mask and no slot input: row b
 holds its tokens in slots 0..seqlens_k[b], so prompts are *right*-padded and each token's
@@ -28,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
 from minillm.export.onnx import add_metadata, export_module
 from minillm.export.onnx_checks import check_onnx
+from minillm.export.onnx_gqa_fuse import fuse_gqa_graph
 from minillm.export.onnx_runtime import graph_metadata
 from minillm.export.onnx_static import LLM_OPSET, onnx_rms_norm
 from minillm.export.ort_binding import SharedBufferDecoder, kv_names
@@ -125,10 +129,12 @@ class GqaStepGraph(nn.Module):
         return (logits, *(t for kv in cache.present for t in kv))
 
 
-def export_gqa_step(model: Transformer, path: str | Path) -> Path:
+def export_gqa_step(model: Transformer, path: str | Path, fuse: bool = True) -> Path:
     """Export the decoder step with one GroupQueryAttention node per layer (RoPE, cache
     write and attention) and opset 23's RMSNormalization; batch, sequence and
-    max_sequence axes dynamic (checked by `check_onnx`)."""
+    max_sequence axes dynamic (checked by `check_onnx`). `fuse` rewrites the traced graph
+    into GenAI's shape (`fuse_gqa_graph`: packed q, k, v; residual Add and norm as one
+    node); `fuse=False` keeps it as traced."""
     cfg, n = model.config, model.config.num_hidden_layers
     dtype = model.lm_head.weight.dtype
     if dtype != torch.float32:
@@ -166,6 +172,10 @@ def export_gqa_step(model: Transformer, path: str | Path) -> Path:
     for name in inputs[len(GQA_INPUTS) :] + outputs[1:]:
         axes[name] = {0: "batch", 2: "max_sequence"}
     add_metadata(path, model, axes)
+    if fuse:
+        proto = onnx.load(str(path))
+        fuse_gqa_graph(proto)
+        onnx.save(proto, str(path))
     check_onnx(path, dynamic=axes)
     return Path(path)
 

@@ -29,8 +29,8 @@ dozen. ONNX opset 23 has an op for each of the three (RMSNormalization, RotaryEm
 Attention with grouped-query heads), the standard counterparts of the contrib ops ORT
 GenAI's builder writes; `onnx_llm_ops` exports the model with them (`llm_ops=True`).
 `minillm.export.onnx_gqa` goes one step further, to GenAI's own GroupQueryAttention node
-(RoPE, the cache write and attention in one). Both decoders share their IOBinding code
-(`minillm.export.ort_binding.SharedBufferDecoder`).
+(RoPE, the cache write and attention in one), and `onnx_gqa_fuse` to GenAI's graph shape.
+Both decoders share their IOBinding code (`minillm.export.ort_binding.SharedBufferDecoder`).
 """
 
 from __future__ import annotations

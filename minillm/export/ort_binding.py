@@ -70,6 +70,8 @@ class SharedBufferDecoder(ABC):
     def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         """One run with these small inputs bound (the cache stays bound): logits [B, T, vocab]."""
         b = self.binding
+        if b is None:
+            raise RuntimeError("no cache buffers bound yet: call allocate(batch) first")
         for name, value in feeds.items():
             b.bind_cpu_input(name, value)
         b.bind_output("logits")  # unallocated: ORT sizes it per run (prefill, then decode)

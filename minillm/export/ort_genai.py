@@ -12,6 +12,7 @@ other package: `pip install onnxruntime-genai==0.18.0`.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -67,9 +68,14 @@ def build_genai_model(
 class GenaiDecoder:
     """An ORT GenAI model driven with token ids (the course's tokenizer stays in charge)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, threads: int = 1) -> None:
+        """`threads`: ORT's intra-op threads, set here as every minillm session sets them
+        (the builder's config leaves it to ORT's default, which depends on the machine)."""
         og = _og()
-        self.og, self.model = og, og.Model(str(model_dir))
+        config = og.Config(str(model_dir))
+        options = {"intra_op_num_threads": threads, "inter_op_num_threads": threads}
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+        self.og, self.model = og, og.Model(config)
 
     def generator(self, ids: list[int], max_length: int) -> Any:
         """A greedy generator that has read the prompt `ids`."""
