@@ -32,8 +32,7 @@ onnxruntime-genai is installed.
     loop that keeps the other kernels beats 1 / (1 - c). Both next to the measured ratios.
 (c) correctness and quality on the bundled model (trained weights): greedy tokens of the
     plain loop, IOBinding (grouped, GroupQueryAttention traced and fused), minillm (and
-    ORT GenAI fp32 /
-    int4), held-out perplexity.
+    ORT GenAI fp32 / int4), held-out perplexity.
 One SUMMARY line.
 """
 
