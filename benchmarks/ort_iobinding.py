@@ -24,12 +24,13 @@ onnxruntime-genai is installed.
     `minillm.model.shapes` (SmolLM2-135M: export takes minutes and several GB), or a
     model `load_model` takes ('smollm2': the real SmolLM2-135M-Instruct, offline).
     Each `--context` in turn, on the same exports.
-(b) why: ORT's profiler on the plain loop and on IOBinding (grouped), each step split
-    into weights / cache copies / attention / other kernels / outside the kernels
-    (`minillm.export.ort_profile`). The plain loop's cache copies, a fraction f of its
-    kernel time, are what a loop with an in-place cache removes: removing them alone gains
-    at most 1 / (1 - f) (Amdahl); with c the share of copies and attention together, no
-    loop that keeps the other kernels beats 1 / (1 - c). Both next to the measured ratios.
+(b) why: ORT's profiler on the plain loop and on IOBinding (grouped, GroupQueryAttention
+    traced and fused), each step split into weights / cache copies / attention / other
+    kernels / outside the kernels (`minillm.export.ort_profile`). The plain loop's cache
+    copies, a fraction f of its kernel time, are what a loop with an in-place cache
+    removes: removing them alone gains at most 1 / (1 - f) (Amdahl); with c the share of
+    copies and attention together, no loop that keeps the other kernels beats
+    1 / (1 - c). Both next to the measured ratios.
 (c) correctness and quality on the bundled model (trained weights): greedy tokens of the
     plain loop, IOBinding (grouped, GroupQueryAttention traced and fused), minillm (and
     ORT GenAI fp32 / int4), held-out perplexity.
@@ -167,7 +168,7 @@ def speed_fns(
         path = _once(path, lambda p=path, o=options: export_static_step(model, p, **o))
         fns[name] = static_runner(ort_session(path, threads=threads), prompt, steps)
     for name, fuse in GQA_GRAPHS.items():
-        path = workdir / f"gqa{int(fuse)}.onnx"
+        path = gqa_graph(workdir, name)
         path = _once(path, lambda p=path, f=fuse: export_gqa_step(model, p, fuse=f))
         fns[name] = gqa_runner(ort_session(path, threads=threads), prompt, steps)
 
@@ -202,6 +203,11 @@ def static_graph(workdir: Path, name: str) -> Path:
     return workdir / f"static{list(STATIC_GRAPHS).index(name)}.onnx"
 
 
+def gqa_graph(workdir: Path, name: str) -> Path:
+    """Where `speed_fns` exports the GroupQueryAttention graph of variant `name`."""
+    return workdir / f"gqa{int(GQA_GRAPHS[name])}.onnx"
+
+
 def _genai_build(model: Transformer, workdir: Path) -> Path:
     hf = save_model(model, workdir / "hf")
     # The builder insists on tokenizer files (it copies them next to the graph); we
@@ -219,9 +225,10 @@ def step_splits(
     threads: int,
     step_ms: dict[str, float],
 ) -> dict[str, prof.StepSplit]:
-    """ORT's profiler on the plain loop and on IOBinding (grouped), the graphs `speed_fns`
-    exported in `workdir`: each step split by kind (`minillm.export.ort_profile`), the
-    median of 2 profiled calls of each, interleaved (a slow spell hits both loops);
+    """ORT's profiler on the plain loop and on IOBinding (grouped, and both
+    GroupQueryAttention graphs), the graphs `speed_fns` exported in `workdir`: each step
+    split by kind (`minillm.export.ort_profile`), the median of 2 profiled calls of each,
+    interleaved (a slow spell hits all the loops);
     `step_ms`: each one's step time measured without the profiler."""
     cfg = model.config
     slots = range(context, context + steps + 1)
@@ -237,6 +244,7 @@ def step_splits(
     for name, path, runner in (
         (PLAIN, workdir / "step.onnx", plain_runner),
         (STATIC, static_graph(workdir, STATIC), static_runner),
+        *((name, gqa_graph(workdir, name), gqa_runner) for name in GQA_GRAPHS),
     ):
         sessions[name] = prof.profiled_session(path, threads, workdir / f"profile{len(runs)}")
         runs[name] = runner(sessions[name], prompt, steps)
@@ -310,7 +318,7 @@ def print_split(context: int, report: dict[str, Any]) -> None:
     print(f"\n(b) where a step goes at {context} (ORT profiler, ms per step, median step):")
     for name, kinds in report["split_ms"].items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in kinds.items() if k != "step")
-        print(f"      {name:<20}{kinds['step']:6.1f} ms = {parts}")
+        print(f"      {name:<34}{kinds['step']:6.1f} ms = {parts}")
     measured = ", ".join(f"{k} {v:.2f}x" for k, v in report["measured"].items())
     plain = report["split_ms"][PLAIN]  # the profiler inflates short kernels (StepSplit):
     if (kernels := sum(plain[kind] for kind in prof.KINDS)) > 1.2 * plain["step"]:

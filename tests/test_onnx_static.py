@@ -124,6 +124,11 @@ def test_kernel_kind_sorts_a_plain_step() -> None:
     assert kind("Add", [[1, 1, 128]], [[1, 1, 128]]) == "other"
     # An axis is told apart by its length alone: a hidden size among the slot counts is not.
     assert kind("Mul", [[1, 1, 64]], [[1, 1, 64]]) == "attention"
+    # GroupQueryAttention reads its cos/sin tables (an initializer) and lists the whole
+    # present buffer, written in place, as an output: attention, not weights or a copy.
+    gqa_out = [[1, 1, 128], [1, 2, 70, 32], [1, 2, 70, 32]]
+    gqa = ("GroupQueryAttention", [[1, 1, 192], [1, 2, 70, 32]], gqa_out)
+    assert kind(*gqa, parameter_size=1 << 20) == "attention"
 
 
 def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(

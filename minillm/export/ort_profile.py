@@ -12,7 +12,8 @@ output shapes and whether it reads weights.
   cache without doing attention's arithmetic, which is what a loop with a cache written in
   place and attention per kv head (`minillm.export.onnx_static`) removes;
 - attention: the rest of the kernels with a sequence-long axis (Q.K and P.V MatMuls,
-  softmax, the mask): work every loop does over the cache;
+  softmax, the mask), and the fused attention nodes (ORT's GroupQueryAttention: RoPE, the
+  in-place cache write and attention in one kernel): work every loop does over the cache;
 - other: small per-token kernels (norms, RoPE, activations, shapes) and views
   (Reshape, Unsqueeze: ORT reuses their input's buffer).
 
@@ -41,6 +42,9 @@ MATMULS = ("MatMul", "FusedMatMul", "Gemm")
 # Shape-only ops: ORT's allocation planner lets them reuse their input's buffer (a
 # Reshape of a cache-sized tensor runs in microseconds, measured), so they copy nothing.
 VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
+# One kernel for attention over the cache: it reads initializers (GroupQueryAttention's
+# cos/sin tables) and lists the whole present buffer as an output, written in place.
+ATTENTION_OPS = ("GroupQueryAttention", "MultiHeadAttention", "Attention")
 
 
 def profiled_session(path: str | Path, threads: int = 1, prefix: str | Path = "ort_profile") -> Any:
@@ -76,6 +80,8 @@ def kernel_kind(event: dict[str, Any], layer_cache_bytes: int, slots: range) -> 
     model dimension (hidden, intermediate, vocabulary, head sizes) falls in `slots`."""
     args, op = event["args"], event["args"]["op_name"]
     inputs, outputs = args.get("input_type_shape", []), args.get("output_type_shape", [])
+    if op in ATTENTION_OPS:
+        return "attention"
     prepacked = op in MATMULS and len(inputs) == 1
     if prepacked or int(args.get("parameter_size", 0)) >= WEIGHT_BYTES:
         return "weights"
