@@ -87,12 +87,6 @@ def speed_model(name: str) -> Transformer:
     return load_model(name)
 
 
-def _once(path: Path, make: Callable[[], Path]) -> Path:
-    """`path`, made by `make` unless an earlier context of this run already made it:
-    the graphs have dynamic sequence axes, so every context reuses one export."""
-    return path if path.exists() else make()
-
-
 def plain_runner(session: Any, prompt: list[int], steps: int) -> Callable[[], Any]:
     """The plain loop after `prompt`: `steps` steps with a fixed token, from the same
     prefilled cache every call (past ++ new concatenated by the graph at each step)."""
@@ -156,21 +150,35 @@ def speed_prompt(model: Transformer, context: int) -> list[int]:
     return torch.randint(1, model.config.vocab_size, (context,), generator=g).tolist()
 
 
-def speed_fns(
-    model: Transformer, workdir: Path, context: int, steps: int, threads: int
-) -> dict[str, Callable[[], Any]]:
-    """Each callable runs `steps` greedy-free decode steps (fixed token) after `context`."""
-    prompt = speed_prompt(model, context)
-    step = _once(workdir / "step.onnx", lambda: export_decoder_step(model, workdir / "step.onnx"))
-    fns = {PLAIN: plain_runner(ort_session(step, threads=threads), prompt, steps)}
-    for name, options in STATIC_GRAPHS.items():
-        path = static_graph(workdir, name)
-        path = _once(path, lambda p=path, o=options: export_static_step(model, p, **o))
-        fns[name] = static_runner(ort_session(path, threads=threads), prompt, steps)
+def export_graphs(model: Transformer, workdir: Path) -> dict[str, Path]:
+    """Every ORT variant's graph of `model`, written to `workdir` and keyed by variant name
+    (GENAI: its builder's directory, where onnxruntime-genai is installed). The graphs
+    have dynamic sequence axes: one export serves every context."""
+    graphs = {PLAIN: export_decoder_step(model, workdir / "step.onnx")}
+    for i, (name, options) in enumerate(STATIC_GRAPHS.items()):
+        graphs[name] = export_static_step(model, workdir / f"static{i}.onnx", **options)
     for name, fuse in GQA_GRAPHS.items():
-        path = gqa_graph(workdir, name)
-        path = _once(path, lambda p=path, f=fuse: export_gqa_step(model, p, fuse=f))
-        fns[name] = gqa_runner(ort_session(path, threads=threads), prompt, steps)
+        graphs[name] = export_gqa_step(model, workdir / f"gqa{int(fuse)}.onnx", fuse=fuse)
+    if genai_missing() is None:
+        graphs[GENAI] = _genai_build(model, workdir)
+    return graphs
+
+
+def speed_fns(
+    model: Transformer, graphs: dict[str, Path], context: int, steps: int, threads: int
+) -> dict[str, Callable[[], Any]]:
+    """Each callable runs `steps` greedy-free decode steps (fixed token) after `context`:
+    one per graph of `model` in `graphs` (`export_graphs`'s keys; GENAI optional), and
+    minillm's own decode."""
+    needed = [PLAIN, *STATIC_GRAPHS, *GQA_GRAPHS]
+    if missing := [name for name in needed if name not in graphs]:
+        raise ValueError(f"no graph for {missing}: export them with export_graphs(model, dir)")
+    prompt = speed_prompt(model, context)
+    fns = {PLAIN: plain_runner(ort_session(graphs[PLAIN], threads=threads), prompt, steps)}
+    for name in STATIC_GRAPHS:
+        fns[name] = static_runner(ort_session(graphs[name], threads=threads), prompt, steps)
+    for name in GQA_GRAPHS:
+        fns[name] = gqa_runner(ort_session(graphs[name], threads=threads), prompt, steps)
 
     with torch.inference_mode():
         cache, _, lengths = prefill(model, [prompt], steps)
@@ -184,9 +192,8 @@ def speed_fns(
         return logits
 
     fns[MINILLM] = run_minillm
-    if genai_missing() is None:
-        genai_dir = _once(workdir / "genai", lambda: _genai_build(model, workdir))
-        gen = GenaiDecoder(genai_dir, threads)
+    if GENAI in graphs:
+        gen = GenaiDecoder(graphs[GENAI], threads)
         generator = gen.generator(prompt, context + steps + 1)
 
         def run_genai() -> Any:
@@ -196,16 +203,6 @@ def speed_fns(
 
         fns[GENAI] = run_genai
     return fns
-
-
-def static_graph(workdir: Path, name: str) -> Path:
-    """Where `speed_fns` exports the static-cache graph of variant `name`."""
-    return workdir / f"static{list(STATIC_GRAPHS).index(name)}.onnx"
-
-
-def gqa_graph(workdir: Path, name: str) -> Path:
-    """Where `speed_fns` exports the GroupQueryAttention graph of variant `name`."""
-    return workdir / f"gqa{int(GQA_GRAPHS[name])}.onnx"
 
 
 def _genai_build(model: Transformer, workdir: Path) -> Path:
@@ -219,6 +216,7 @@ def _genai_build(model: Transformer, workdir: Path) -> Path:
 
 def step_splits(
     model: Transformer,
+    graphs: dict[str, Path],
     workdir: Path,
     context: int,
     steps: int,
@@ -226,9 +224,9 @@ def step_splits(
     step_ms: dict[str, float],
 ) -> dict[str, prof.StepSplit]:
     """ORT's profiler on the plain loop and on IOBinding (grouped, and both
-    GroupQueryAttention graphs), the graphs `speed_fns` exported in `workdir`: each step
-    split by kind (`minillm.export.ort_profile`), the median of 2 profiled calls of each,
-    interleaved (a slow spell hits all the loops);
+    GroupQueryAttention graphs) on `graphs` (`export_graphs`), profiles written to
+    `workdir`: each step split by kind (`minillm.export.ort_profile`), the median of 2
+    profiled calls of each, interleaved (a slow spell hits all the loops);
     `step_ms`: each one's step time measured without the profiler."""
     cfg = model.config
     slots = range(context, context + steps + 1)
@@ -241,12 +239,13 @@ def step_splits(
     layer_k = cfg.num_key_value_heads * context * cfg.head_dim * model.lm_head.weight.element_size()
     prompt = speed_prompt(model, context)
     sessions, runs = {}, {}
-    for name, path, runner in (
-        (PLAIN, workdir / "step.onnx", plain_runner),
-        (STATIC, static_graph(workdir, STATIC), static_runner),
-        *((name, gqa_graph(workdir, name), gqa_runner) for name in GQA_GRAPHS),
+    for name, runner in (
+        (PLAIN, plain_runner),
+        (STATIC, static_runner),
+        *((name, gqa_runner) for name in GQA_GRAPHS),
     ):
-        sessions[name] = prof.profiled_session(path, threads, workdir / f"profile{len(runs)}")
+        profile = workdir / f"profile{len(runs)}"
+        sessions[name] = prof.profiled_session(graphs[name], threads, profile)
         runs[name] = runner(sessions[name], prompt, steps)
     for _ in range(3):  # a warm-up round, then 2 profiled ones, the loops interleaved
         for run in runs.values():
@@ -356,8 +355,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["by_context"] = {}
     model = speed_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
+        graphs = export_graphs(model, Path(tmp))
         for context in args.context:
-            fns = speed_fns(model, Path(tmp), context, args.steps, args.threads)
+            fns = speed_fns(model, graphs, context, args.steps, args.threads)
             samples = time_samples(fns, repeats=5 if args.quick else 15, warmup=2)
             del fns  # the sessions and caches of this context
             speedup = {name: 1 / r for name, r in paired_ratios(samples, PLAIN).items()}
@@ -367,7 +367,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"    {name:<32}{x:>7.2f}x")
             if not args.no_profile:
                 step_ms = {n: 1e3 * statistics.median(t) / args.steps for n, t in samples.items()}
-                splits = step_splits(model, Path(tmp), context, args.steps, args.threads, step_ms)
+                splits = step_splits(
+                    model, graphs, Path(tmp), context, args.steps, args.threads, step_ms
+                )
                 at |= split_report(splits, speedup)
                 print_split(context, at)
             result["by_context"][str(context)] = at

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -265,9 +265,7 @@ def export_forward(
             opset_version=opset_version,
             unoptimized_path=unoptimized_path,
         )
-    add_metadata(path, model, FORWARD_AXES)
-    check_onnx(path, dynamic=FORWARD_AXES)
-    return Path(path)
+    return finish_graph(path, model, FORWARD_AXES)
 
 
 def step_example(
@@ -309,19 +307,33 @@ def export_decoder_step(
         [(kv_shape, kv_shape) for _ in range(n)],
     )
     export_module(DecoderStepGraph(model), example, path, inputs, outputs, dynamic_shapes)
-    add_metadata(path, model, axes)
-    check_onnx(path, dynamic=axes)
-    return Path(path)
+    return finish_graph(path, model, axes)
 
 
-def add_metadata(
-    path: str | Path, model: Transformer, axes: Mapping[str, Mapping[int, str]]
-) -> None:
-    """Name the dynamic axes (the exporter calls them s0, s1, ...) and store what a
-    runtime needs besides the graph (EOS, context) in the ONNX file."""
+def finish_graph(
+    path: str | Path,
+    model: Transformer,
+    axes: Mapping[str, Mapping[int, str]],
+    rewrite: Callable[[Any], Any] | None = None,
+) -> Path:
+    """The exported file's last pass, in one load and one save (a real model's graph is
+    hundreds of MB): name the dynamic axes and store what a runtime needs
+    (`add_metadata`), apply `rewrite` to the proto (a graph rewrite such as
+    `fuse_gqa_graph`), then check that every axis in `axes` stayed dynamic (`check_onnx`)."""
     import onnx
 
     proto = onnx.load(str(path))
+    add_metadata(proto, model, axes)
+    if rewrite is not None:
+        rewrite(proto)
+    check_onnx(proto, dynamic=axes)
+    onnx.save(proto, str(path))
+    return Path(path)
+
+
+def add_metadata(proto: Any, model: Transformer, axes: Mapping[str, Mapping[int, str]]) -> None:
+    """Name the dynamic axes of the ONNX `proto` (the exporter calls them s0, s1, ...) and
+    store what a runtime needs besides the graph (EOS, context) in it, in place."""
     rename: dict[str, str] = {}
     for v in proto.graph.input:
         for dim, axis in axes.get(v.name, {}).items():
@@ -342,4 +354,3 @@ def add_metadata(
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = f"minillm.{key}", repr(value)
-    onnx.save(proto, str(path))

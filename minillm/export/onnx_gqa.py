@@ -30,12 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import torch
 from torch import nn
 
-from minillm.export.onnx import add_metadata, export_module
-from minillm.export.onnx_checks import check_onnx
+from minillm.export.onnx import export_module, finish_graph
 from minillm.export.onnx_gqa_fuse import fuse_gqa_graph
 from minillm.export.onnx_runtime import graph_metadata
 from minillm.export.onnx_static import LLM_OPSET, onnx_rms_norm
@@ -171,13 +169,7 @@ def export_gqa_step(model: Transformer, path: str | Path, fuse: bool = True) -> 
     }
     for name in inputs[len(GQA_INPUTS) :] + outputs[1:]:
         axes[name] = {0: "batch", 2: "max_sequence"}
-    add_metadata(path, model, axes)
-    if fuse:
-        proto = onnx.load(str(path))
-        fuse_gqa_graph(proto)
-        onnx.save(proto, str(path))
-    check_onnx(path, dynamic=axes)
-    return Path(path)
+    return finish_graph(path, model, axes, rewrite=fuse_gqa_graph if fuse else None)
 
 
 class OrtGqaDecoder(SharedBufferDecoder):

@@ -45,8 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.cache.protocol import SdpaCache
-from minillm.export.onnx import add_metadata, export_module
-from minillm.export.onnx_checks import check_onnx
+from minillm.export.onnx import export_module, finish_graph
 from minillm.export.ort_binding import SharedBufferDecoder, kv_names
 from minillm.model import transformer
 from minillm.model.transformer import Transformer
@@ -237,9 +236,7 @@ def export_static_step(
     }
     for name in inputs[4:] + outputs[1:]:
         axes[name] = {0: "batch", 2: "max_sequence"}
-    add_metadata(path, model, axes)
-    check_onnx(path, dynamic=axes)
-    return Path(path)
+    return finish_graph(path, model, axes)
 
 
 class OrtStaticDecoder(SharedBufferDecoder):
