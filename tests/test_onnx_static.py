@@ -164,3 +164,11 @@ def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
         step_split(profiled_session(step_path, prefix=step_path.parent / "p"), 1, layer_k, range(1))
     with pytest.raises(ValueError, match="in \\[0, 1\\)"):
         amdahl_bound(1.0)
+
+
+def test_the_benchmark_names_the_graphs_it_was_not_given(model, step_path, static_path) -> None:
+    """`speed_fns` times graphs exported once (`export_graphs`); a missing variant is named."""
+    from benchmarks.ort_iobinding import GQA, PLAIN, STATIC, speed_fns
+
+    with pytest.raises(ValueError, match=f"{GQA}.*export_graphs"):
+        speed_fns(model, {PLAIN: step_path, STATIC: static_path}, 8, 2, 1)
