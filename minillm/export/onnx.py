@@ -316,10 +316,9 @@ def finish_graph(
     axes: Mapping[str, Mapping[int, str]],
     rewrite: Callable[[Any], Any] | None = None,
 ) -> Path:
-    """The exported file's last pass, in one load and one save (a real model's graph is
-    hundreds of MB): name the dynamic axes and store what a runtime needs
-    (`add_metadata`), apply `rewrite` to the proto (a graph rewrite such as
-    `fuse_gqa_graph`), then check that every axis in `axes` stayed dynamic (`check_onnx`)."""
+    """The exported file's last pass, one load and one save (a real model's graph is
+    hundreds of MB): `add_metadata`, then `rewrite` (a graph rewrite such as
+    `fuse_gqa_graph`), then `check_onnx` that every axis in `axes` stayed dynamic."""
     import onnx
 
     proto = onnx.load(str(path))
@@ -346,11 +345,6 @@ def add_metadata(proto: Any, model: Transformer, axes: Mapping[str, Mapping[int,
             for d in v.type.tensor_type.shape.dim:
                 if d.dim_param:
                     d.dim_param = symbol.sub(lambda m: rename[m[1]], d.dim_param)
-    cfg = model.config
-    meta = {
-        "eos_token_id": cfg.eos_token_id,
-        "max_position_embeddings": cfg.max_position_embeddings,
-    }
-    for key, value in meta.items():
+    for key in ("eos_token_id", "max_position_embeddings"):
         entry = proto.metadata_props.add()
-        entry.key, entry.value = f"minillm.{key}", repr(value)
+        entry.key, entry.value = f"minillm.{key}", repr(getattr(model.config, key))
