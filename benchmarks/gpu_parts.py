@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from benchmarks import compile as compile_bench
-from benchmarks import kernels as kernel_bench
 from minillm import SamplingParams, generate, load_model
+from minillm.bench import compile as compile_bench
+from minillm.bench import kernels as kernel_bench
 from minillm.engine import Engine
 from minillm.generation import generate_static
 from minillm.generation.static import compile_decode_step
 from minillm.lab import time_ratios
+from minillm.lab.timing import kernel_time_ms
 from minillm.model import ModelConfig, Transformer, load_tokenizer, random_model, save_model
 from minillm.training import first_divergence
 
@@ -69,7 +70,7 @@ def kernels(run) -> dict[str, Any]:
     out: dict[str, Any] = {"copy_GBps": copy_Bps / 1e9}
     if not small:
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        ms = kernel_bench.kernel_time_ms(lambda: a @ a)
+        ms = kernel_time_ms(lambda: a @ a)
         out["bf16_matmul_TFLOPs"] = 2 * 8192**3 / ms / 1e9
     out["paged_decode"] = kernel_bench.paged_decode_rows(run.device, small, copy_Bps)
     out["flash_prefill"] = kernel_bench.flash_prefill_rows(run.device, small)
@@ -293,8 +294,8 @@ def hf_generate(run) -> dict[str, Any]:
 def notebooks(run) -> dict[str, Any]:
     """The notebooks' GPU-only cells call these same functions; here they run, or say what
     they need."""
-    from benchmarks import serving
-    from benchmarks import tensorrt as trt_bench
+    from minillm.bench import batching
+    from minillm.bench import tensorrt as trt_bench
     from minillm.engine import LLM
 
     out: dict[str, Any] = {}
@@ -329,7 +330,7 @@ def notebooks(run) -> dict[str, Any]:
             "onnxruntime-gpu",
         ),
         ("06 bitsandbytes NF4 matmul", lambda: kernel_bench.nf4_rows(run.device), "bitsandbytes"),
-        ("08 vLLM vs minillm, bf16", serving.vllm_compare, "vllm"),
+        ("08 vLLM vs minillm, bf16", batching.vllm_compare, "vllm"),
     ]
     for label, fn, needs in cells:
         try:

@@ -5,7 +5,7 @@ llama-cpp-python's sdist, and say where the binary is (chapter 08's batching CPU
     python -m benchmarks.llama_server --where    # print the path if built, else exit 1
     llama-server --model bundled.gguf --parallel 8 --ctx-size 2048 --threads 1 \
         --threads-batch 1 --cache-type-k f32 --cache-type-v f32 --no-cache-prompt \
-        --cache-ram 0 --port 8002                 # what `start(gguf, 8002, 8)` runs
+        --cache-ram 0 --port 8002   # what `minillm.bench.llama_server.start(gguf, 8002, 8)` runs
 
 Why this and not `pip install llama-cpp-python`: the pip package builds llama.cpp as a
 library and serves it from Python (`python -m llama_cpp.server`), one request at a time.
@@ -31,7 +31,6 @@ the binary and returns at once. `--rebuild` reruns CMake's (incremental) build.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -39,8 +38,11 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
-VERSION = "0.3.36"  # llama-cpp-python, as pyproject.toml's `llama` extra pins it
+from benchmarks import report
+from minillm.bench.llama_server import BUILD_COMMAND, VERSION, binary_path, cache_dir, find_binary
+
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary
@@ -55,30 +57,8 @@ CMAKE_OPTIONS = [
 ]
 
 
-def cache_dir() -> Path:
-    """Where the sdist, sources and build live (`$MINILLM_CACHE`, default ~/.cache/minillm)."""
-    root = Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
-    return root / f"llama-server-{VERSION}"
-
-
-def binary_path() -> Path:
-    """The `llama-server` binary: `$LLAMA_SERVER` if set, else where `build()` puts it.
-    The path may not exist yet; `find_binary` checks."""
-    if os.environ.get("LLAMA_SERVER"):
-        return Path(os.environ["LLAMA_SERVER"])
-    return cache_dir() / "build" / "bin" / "llama-server"
-
-
-def find_binary() -> Path | None:
-    """The built binary, or None when it is absent (then: `python -m benchmarks.llama_server`)."""
-    path = binary_path()
-    return path if path.is_file() and os.access(path, os.X_OK) else None
-
-
-BUILD_COMMAND = "python -m benchmarks.llama_server"
-
-
-def run(cmd: list[str], **kwargs) -> None:
+def run_command(cmd: list[str], **kwargs: Any) -> None:
+    """Run `cmd`, echoed first; fail on a non-zero exit."""
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, **kwargs)
 
@@ -91,7 +71,7 @@ def sources(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     sdist = cache / f"llama_cpp_python-{VERSION}.tar.gz"
     if not sdist.is_file():
-        run(
+        run_command(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
             + [f"llama-cpp-python=={VERSION}", "-d", str(cache)]
         )
@@ -124,9 +104,11 @@ def build(rebuild: bool = False, jobs: int = 2) -> Path:
     build_dir = cache / "build"
     start = time.perf_counter()
     if not (build_dir / "CMakeCache.txt").is_file():
-        run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_OPTIONS])
+        run_command(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_OPTIONS])
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    run(nice + ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)])
+    run_command(
+        nice + ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)]
+    )
     minutes = (time.perf_counter() - start) / 60
     print(f"configured and built in {minutes:.1f} min", flush=True)
     if find_binary() is None:
@@ -134,62 +116,22 @@ def build(rebuild: bool = False, jobs: int = 2) -> Path:
     return binary_path()
 
 
-def command(
-    gguf: Path,
-    port: int,
-    parallel: int,
-    threads: int = 1,
-    kv_cache: str = "f32",
-    ctx_per_slot: int = 256,
-) -> list[str]:
-    """The `llama-server` command line `start` runs.
-
-    `--parallel N` slots share one KV cache of `-c` tokens, `ctx_per_slot` each (the cache is
-    split per slot when N is given). `kv_cache` "f32" computes what minillm computes;
-    llama.cpp's default is "f16". Prompt caching is off (`--no-cache-prompt`, `--cache-ram
-    0`): a benchmark that sends the same requests every round would otherwise measure cache
-    hits (minillm's prefix cache is turned off for the same reason)."""
-    path = find_binary()
-    if path is None:
-        raise SystemExit(f"llama-server is not built ({binary_path()}): run {BUILD_COMMAND}")
-    return [
-        str(path),
-        *("--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
-        *("--parallel", str(parallel), "--ctx-size", str(ctx_per_slot * parallel)),
-        *("--threads", str(threads), "--threads-batch", str(threads)),
-        *("--cache-type-k", kv_cache, "--cache-type-v", kv_cache),
-        *("--no-cache-prompt", "--cache-ram", "0"),
-    ]
-
-
-def start(gguf: Path, port: int, parallel: int, **options) -> subprocess.Popen:
-    """`llama-server` (see `command` for the options) on 127.0.0.1:port; returns once
-    /health answers 200 (the model is loaded). Its log goes to `llama-server.log` in the
-    cache directory (the last start's: read it when a start fails)."""
-    from benchmarks import serving
-
-    cmd = command(gguf, port, parallel, **options)
-    log = cache_dir() / "llama-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    what = f"llama-server (log: {log})"
-    return serving.wait_until_up(proc, f"http://127.0.0.1:{port}/health", what)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--where", action="store_true", help="print the path only if built")
-    parser.add_argument("--rebuild", action="store_true", help="rerun the (incremental) build")
-    parser.add_argument("--jobs", type=int, default=2)
-    args = parser.parse_args()
-    if args.where:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    ap = report.parser(__doc__)
+    ap.add_argument("--where", action="store_true", help="print the path only if built")
+    ap.add_argument("--rebuild", action="store_true", help="rerun the (incremental) build")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+    args = ap.parse_args(argv)
+    if args.where:  # the path alone, for `$(python -m benchmarks.llama_server --where)`
         path = find_binary()
         if path is None:
             raise SystemExit(f"llama-server is not built ({binary_path()}): run {BUILD_COMMAND}")
         print(path)
-        return
-    print(build(args.rebuild, args.jobs))
+        return None
+    run = report.start("llama-server-build", args)
+    path = build(args.rebuild, args.jobs)
+    print(path)
+    return run.finish({"binary": str(path), "version": VERSION}, f"{path} (llama.cpp {VERSION})")
 
 
 if __name__ == "__main__":

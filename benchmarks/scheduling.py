@@ -22,88 +22,11 @@ shapes, not on what the weights learned; the bundled model's own context is 256 
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
-import numpy as np
-
 from benchmarks import report
-from minillm.engine import Engine, SamplingParams
-from minillm.model import ModelConfig, load_tokenizer, random_model
-
-SEED = 0
-
-
-def model_with_context(positions: int = 4096):
-    return random_model(ModelConfig(max_position_embeddings=positions, eos_token_id=None), SEED)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind="final_only")
-
-
-def long_prompt_mix(quick: bool) -> dict[str, Any]:
-    rng = np.random.default_rng(SEED)
-    decoders = [rng.integers(10, 4000, 16).tolist() for _ in range(8)]
-    n_long = 3 if quick else 6
-    longs = [rng.integers(10, 4000, 1024).tolist() for _ in range(n_long)]
-    return {"decoders": decoders, "decode_tokens": 96 if quick else 192, "longs": longs}
-
-
-def run_mix(model, tok, work: dict[str, Any], chunked: bool, budget: int) -> dict[str, Any]:
-    """Decoders start together; a long prompt joins every `gap` engine steps."""
-    engine = Engine(model, tok, max_num_seqs=16, max_num_batched_tokens=budget,
-                    chunked_prefill=chunked)  # fmt: skip
-    ids = [engine.add_request(p, greedy(work["decode_tokens"])) for p in work["decoders"]]
-    gap = work["decode_tokens"] // (len(work["longs"]) + 1)
-    pending, step, t0 = list(work["longs"]), 0, time.perf_counter()
-    seqs = {r: engine.requests[r].seqs[0] for r in ids}
-    while engine.has_unfinished() or pending:
-        if pending and step % gap == gap - 1:
-            engine.add_request(pending.pop(0), greedy(8))
-        engine.step()
-        step += 1
-    wall = time.perf_counter() - t0
-    itl = [1e3 * d for s in seqs.values() for d in np.diff(s.token_times)]
-    out_tokens = len(work["decoders"]) * work["decode_tokens"] + 8 * len(work["longs"])
-    p50, p99 = (float(np.percentile(itl, q)) for q in (50, 99))
-    return {"itl_p50_ms": p50, "itl_p99_ms": p99, "tok_s": out_tokens / wall}
-
-
-def chunked_prefill(model, tok, quick: bool, repeats: int, budget: int) -> dict[str, Any]:
-    work = long_prompt_mix(quick)
-    runs: dict[str, list[dict]] = {"chunked": [], "unchunked": []}
-    for _ in range(repeats):  # interleaved: a slow spell hits both policies alike
-        for name in runs:
-            runs[name].append(run_mix(model, tok, work, name == "chunked", budget))
-    med = {
-        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
-    }
-    med["budget"] = budget
-    return med
-
-
-def preemption(model, tok, context: int, quick: bool) -> dict[str, Any]:
-    """8 requests of `context` prompt tokens + 64 new ones on a pool that fits about 4."""
-    rng = np.random.default_rng(SEED + context)
-    prompts = [rng.integers(10, 4000, context).tolist() for _ in range(4 if quick else 8)]
-    blocks = len(prompts) // 2 * -(-context // 16) + 2  # half the prompts fit, not their growth
-    out = {"context": context}
-    for mode in ("recompute", "swap"):
-        engine = Engine(model, tok, num_blocks=blocks, max_num_seqs=8, preemption_mode=mode,
-                        num_swap_blocks=8 * blocks)  # fmt: skip
-        t0 = time.perf_counter()
-        for p in prompts:
-            engine.add_request(p, greedy(64))
-        engine.run_to_completion()
-        wall = time.perf_counter() - t0
-        out[mode] = {
-            "tok_s": len(prompts) * 64 / wall,
-            "prompt_tokens_computed": engine.num_prompt_tokens,
-            "preemptions": engine.scheduler.num_preemptions,
-        }
-    return out
+from minillm.bench.scheduling import chunked_prefill, model_with_context, preemption
+from minillm.model import load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 import importlib
 from functools import cache
 
-from minillm import SamplingParams
+from minillm.generation import greedy_params as greedy  # noqa: F401  (the tests' name)
 
 
 @cache
@@ -22,11 +22,6 @@ def resolve(dotted: str) -> object | None:
             obj = getattr(obj, attr)
         return obj
     return None
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    """Greedy decoding of exactly n tokens (EOS does not stop it)."""
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
 # SmolLM2 tokenizer and chat samples (tests/test_smollm2.py, tests/test_llama_cpp.py)

@@ -1,23 +1,18 @@
 """Helpers for the server tests: a free loopback port, an app served on a thread."""
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 
 import uvicorn
 
+from minillm.bench.http_load import free_port
+
 # A ChatML template, for chat on the bundled model (which has no template of its own).
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -2,10 +2,8 @@
 workloads, a tiny run over in-process backends, unavailable backends listed with a reason,
 and an OpenAI-compatible server (minillm's, on a loopback port) measured over HTTP."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import matplotlib
 import pytest
@@ -15,6 +13,7 @@ from serving import CHATML, free_port, running  # a server on a loopback port, i
 from minillm import load_tokenizer
 from minillm.bench import (
     Trace,
+    batching,
     compute_metrics,
     format_table,
     label_of,
@@ -27,7 +26,6 @@ from minillm.bench import (
 )
 
 matplotlib.use("Agg")
-ROOT = Path(__file__).resolve().parents[1]
 TINY = {"n": 2, "prompt_len": [4, 8], "output_median": 4, "output_clip": [3, 5]}
 
 
@@ -61,10 +59,7 @@ def test_workload_is_seeded_and_serving_compatible():
     assert make_workload(tok, 8) != make_workload(tok, 8, seed=1)
     work = make_workload(tok, 64)
     assert all(8 <= len(p) <= 64 and 4 <= n <= 160 for p, n in work)
-    spec = importlib.util.spec_from_file_location("serving", ROOT / "benchmarks/serving.py")
-    serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serving)
-    assert serving.make_workload(tok, 16) == make_workload(tok, 16)
+    assert batching.make_workload(tok, 16) == make_workload(tok, 16)
 
 
 def test_load_workload_forms(tmp_path):
@@ -203,14 +198,11 @@ def test_tensorrt_backend_loop_on_the_graph_tensorrt_compiles(model, prompts):
 
 
 def test_batching_model_flat_and_curve_costs():
-    spec = importlib.util.spec_from_file_location("serving", ROOT / "benchmarks/serving.py")
-    serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serving)
     tokens = {"static": [4, 4, 2, 1], "continuous": [4, 4]}  # tokens computed per step
     flat = {"B=1": 1.0, "B=4": 1.0}  # a step costs the same whatever it computes: steps are time
-    assert serving.batching_model(tokens, flat) == {"flat": 2.0, "curve": 2.0}
+    assert batching.batching_model(tokens, flat) == {"flat": 2.0, "curve": 2.0}
     linear = {"B=1": 1.0, "B=4": 4.0}  # cost proportional to tokens: only tokens count
-    got = serving.batching_model(tokens, linear)
+    got = batching.batching_model(tokens, linear)
     assert got["flat"] == 2.0 and got["curve"] == pytest.approx(11 / 8)
     # beyond the measured sizes the last segment extends: a 40-token prefill step costs 40
-    assert serving.batching_model({"static": [40], "continuous": [4]}, linear)["curve"] == 10.0
+    assert batching.batching_model({"static": [40], "continuous": [4]}, linear)["curve"] == 10.0

@@ -1,10 +1,10 @@
-"""benchmarks.kv_cache's cached-step sweep: a median and quartiles for every length."""
+"""minillm.bench.kv_cache's cached-step sweep: a median and quartiles for every length."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks import kv_cache as bench
+from minillm.bench import kv_cache as bench
 
 
 def test_cached_step_sweep_reports_quartiles_for_every_length():

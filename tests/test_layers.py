@@ -119,3 +119,19 @@ def test_no_import_cycles() -> None:
 def test_modules_fit_one_reading(module: str) -> None:
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by job"
+
+
+def test_the_package_never_imports_the_benchmark_scripts() -> None:
+    """benchmarks/ is command lines over the package: the measurement code they run lives in
+    minillm (`minillm.bench`), so `pip install -e .` gives a notebook all of it."""
+    scripts = {
+        module
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "benchmarks")
+        or (
+            isinstance(node, ast.Import)
+            and any(a.name.split(".")[0] == "benchmarks" for a in node.names)
+        )
+    }
+    assert not scripts, f"these modules import benchmarks/ (move what they need): {sorted(scripts)}"

@@ -11,7 +11,6 @@ tests/test_llama_cpp.py`.
 import importlib.util
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +18,9 @@ import pytest
 import torch
 from helpers import SMOLLM2_CONVERSATIONS, SMOLLM2_TEXTS, SPACE_BEFORE_DIGIT, greedy
 
-from benchmarks import llama_server
 from minillm import SamplingParams, generate, load_tokenizer
+from minillm.bench import llama_server
+from minillm.bench.http_load import free_port
 from minillm.export.gguf import export_gguf
 from minillm.model import BUNDLED_DIR
 from minillm.model.gguf_layout import gguf_name, rope_to_interleaved
@@ -169,12 +169,10 @@ def test_llama_cpp_logits_and_greedy_match(llama, model, prompts):
 def test_llama_cpp_server_serves_the_same_text(gguf_path, model, prompts):
     import httpx
 
-    from benchmarks import llama_cpp as bench
+    from minillm.bench import llama_cpp as bench
 
     tok = load_tokenizer()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = bench.start_llama_cpp_python(gguf_path, port)
     try:
         body = {"prompt": tok.decode(prompts[0]), "max_tokens": 16, "temperature": 0}
@@ -272,14 +270,13 @@ def test_llama_cpp_on_the_q4_1_file_is_close_but_not_the_same_computation(
 def test_llama_server_parallel_batches_the_same_greedy_text(gguf_path, model, prompts):
     """llama.cpp's C++ server with 4 slots, sent 4 prompts at once (so it decodes them in one
     batch, the continuous batching minillm's engine does), returns minillm's greedy texts."""
-    from benchmarks import llama_cpp as bench
-    from benchmarks import serving
+    from minillm.bench import llama_cpp as bench
 
     tok = load_tokenizer()
     texts = [tok.decode(p) for p in prompts] + ["And God said, Let there be light"]
     params = SamplingParams(temperature=0, max_tokens=24)
     want = [tok.decode(ids) for ids in generate(model, [tok.encode(t) for t in texts], params)]
-    port = serving.free_port()
+    port = free_port()
     proc = llama_server.start(gguf_path, port, parallel=4)
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -297,7 +294,7 @@ def test_llama_server_parallel_batches_the_same_greedy_text(gguf_path, model, pr
 def test_llama_server_decode_speed_is_its_own_timing(gguf_path, prompts):
     """The batch-1 peer of benchmarks/kv_cache.py --roofline: one positive tokens/s per
     round, each from a generation of exactly the asked length (EOS ignored)."""
-    from benchmarks import llama_cpp as bench
+    from minillm.bench import llama_cpp as bench
 
     speeds = bench.decode_tokens_per_s(gguf_path, prompts[0], tokens=16, rounds=2)
     assert len(speeds) == 2 and all(s > 0 for s in speeds)

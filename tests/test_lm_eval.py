@@ -1,5 +1,5 @@
 """A real evaluation harness against the server: lm-eval 0.4.13's `local-completions` with
-its default (tokenized) requests on the two local tasks of `benchmarks/eval_harness.py`, a
+its default (tokenized) requests on the two local tasks of `minillm/bench/eval_harness.py`, a
 multiple-choice loglikelihood task and a generate_until task. lm-eval's loglikelihoods must
 equal minillm's own log-probabilities of the same continuations (a full forward, no cache),
 its greedy flags the argmax's, and its generations minillm's own greedy text.
@@ -23,7 +23,7 @@ NAME = "minillm-bundled"
 
 @pytest.fixture(scope="module")
 def results(model):
-    from benchmarks.eval_harness import run_eval
+    from minillm.bench.eval_harness import run_eval
 
     engine = Engine(model, load_tokenizer(), max_num_seqs=8)
     with running(create_app(engine, NAME)) as url:

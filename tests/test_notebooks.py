@@ -1,5 +1,8 @@
 """Every notebook keeps its word, read as JSON (nbval runs them; nothing is executed here):
 
+- it imports the course only from the installed package (`minillm`, and the learner's
+  `exercises`), never from the repository's scripts, and leaves `sys.path` alone, so that
+  `pip install -e .` is all a notebook needs;
 - the names its prose calls by the notebook's own import aliases exist (`trt.build`; full
   paths and dotted names are checked by test_references.py);
 - its committed outputs read well unrun, as GitHub and an untrusted Jupyter show them: no
@@ -45,20 +48,24 @@ def module_aliases(name: str) -> dict[str, str]:
     import tensorrt as trt`, `import minillm.kernels.flash_prefill as fp`)."""
     code = "\n".join(text(c) for c in cells(name) if c["cell_type"] == "code")
     found = {}
-    for pkg, names in re.findall(
-        r"^\s*from ((?:minillm|benchmarks)[\w.]*) import ([^(\n]+)", code, re.M
-    ):
+    for pkg, names in re.findall(r"^\s*from (minillm[\w.]*) import ([^(\n]+)", code, re.M):
         for part in names.split("#")[0].split(","):
             target, _, alias = part.strip().partition(" as ")
             found[alias or target] = f"{pkg}.{target}"
-    for module, alias in re.findall(
-        r"^\s*import ((?:minillm|benchmarks)[\w.]*) as (\w+)", code, re.M
-    ):
+    for module, alias in re.findall(r"^\s*import (minillm[\w.]*) as (\w+)", code, re.M):
         found[alias] = module
     return {a: m for a, m in found.items() if a and resolve(m) is not None}
 
 
 NAMES = [p.name for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_it_imports_the_course_from_the_installed_package(name):
+    code = "\n".join(text(c) for c in cells(name) if c["cell_type"] == "code")
+    scripts = re.findall(r"^\s*(?:from|import) benchmarks\b.*", code, re.M)
+    assert not scripts, f"{name} imports the benchmark scripts (import minillm.bench): {scripts}"
+    assert "sys.path" not in code, f"{name} edits sys.path: the editable install is enough"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -136,7 +136,7 @@ def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
 ) -> None:
     """ORT's profiler on both loops after a 64-token prompt: the plain loop's cache ops are
     copies (Concat: past ++ new), IOBinding's (grouped) only its in-place scatter."""
-    from benchmarks.ort_iobinding import plain_runner, static_runner
+    from minillm.bench.ort_iobinding import plain_runner, static_runner
     from minillm.export.ort_profile import amdahl_bound, profiled_session, step_split
 
     context, steps = 64, 4
@@ -168,7 +168,7 @@ def test_the_profile_finds_the_plain_loops_copies_and_not_iobindings(
 
 def test_the_benchmark_names_the_graphs_it_was_not_given(model, step_path, static_path) -> None:
     """`speed_fns` times graphs exported once (`export_graphs`); a missing variant is named."""
-    from benchmarks.ort_iobinding import GQA, PLAIN, STATIC, speed_fns
+    from minillm.bench.ort_iobinding import GQA, PLAIN, STATIC, speed_fns
 
     with pytest.raises(ValueError, match=f"{GQA}.*export_graphs"):
         speed_fns(model, {PLAIN: step_path, STATIC: static_path}, 8, 2, 1)

@@ -5,7 +5,7 @@ grid reproduces them exactly, while an INT4 g32 format with an integer zero poin
 import torch
 from torch import nn
 
-from benchmarks.quant import q4_1_roundtrip, requantized, requantized_weight
+from minillm.bench.q4_1 import q4_1_roundtrip, requantized, requantized_weight
 
 
 def q4_1_grid(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

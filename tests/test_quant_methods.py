@@ -1,5 +1,5 @@
-"""benchmarks/quant_methods.py: its one-pass scorer equals the course's evaluator, and a
-small run produces the table and the SUMMARY line."""
+"""benchmarks/quant_methods.py (over `minillm.bench.quant_methods`): its one-pass scorer
+equals the course's evaluator, and a small run produces the table and the SUMMARY line."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import copy
 import pytest
 import torch
 
-from benchmarks import awq_scales, quant_methods
+from benchmarks import awq_scales as awq_scales_script
+from benchmarks import quant_methods as quant_methods_script
 from minillm import load_tokenizer
+from minillm.bench import awq_scales, quant_methods
 from minillm.quant import quantize_model
 from minillm.quant.calibrate import calibration_batches
 from minillm.training import held_out_ids, next_token_agreement, perplexity
@@ -26,7 +28,7 @@ def test_score_equals_perplexity_and_agreement(model) -> None:
 
 
 def test_a_small_run_prints_its_table(capsys) -> None:
-    result = quant_methods.main(
+    result = quant_methods_script.main(
         ["--only", "FP8", "AWQ", "asym", "--windows", "2", "--calib", "1", "--quick"]
         + ["--alphas", "0.5"]
     )
@@ -51,7 +53,7 @@ def test_awq_scales_compares_the_families_on_training_text_only() -> None:
     assert unseen.shape == calib.shape
     assert not any(torch.equal(u, c) for u in unseen for c in calib)
     assert not torch.equal(unseen[0], held_out[: unseen.shape[1]])
-    result = awq_scales.main(["--model", "bundled"])
+    result = awq_scales_script.main(["--model", "bundled"])
     ppl = result["perplexity"]
     assert set(result["recovered"]) == {"AWQ act", "AWQ duo"}
     assert all(ppl["fp32"][t] < ppl["RTN"][t] for t in ("fitted", "unseen"))

@@ -5,6 +5,7 @@ model or with prompt lookup (10)."""
 from minillm.generation.cached import generate, generate_naive
 from minillm.generation.lookup import prompt_lookup_generate
 from minillm.generation.paged import generate_paged
+from minillm.generation.params import greedy_params
 from minillm.generation.sampling import SamplingParams
 from minillm.generation.speculative import speculative_generate
 from minillm.generation.static import generate_static
@@ -15,6 +16,7 @@ __all__ = [
     "generate_naive",
     "generate_paged",
     "generate_static",
+    "greedy_params",
     "prompt_lookup_generate",
     "speculative_generate",
 ]

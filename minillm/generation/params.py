@@ -119,6 +119,12 @@ class SamplingParams:
         return self.logprobs is not None or self.num_samples > self.n
 
 
+def greedy_params(max_tokens: int, **kw) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS does not stop it): what a
+    benchmark or a parity check runs, so every request does the same work."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
