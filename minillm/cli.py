@@ -121,7 +121,10 @@ def _chat(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from minillm.serving.api_server import serve
+    from minillm.serving.http import Timeouts
 
+    names = ("idle", "header", "body", "shutdown")
+    given = {name: getattr(args, f"{name}_timeout") for name in names}
     serve(
         model=args.model,
         host=args.host,
@@ -136,7 +139,7 @@ def _serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         chat_template=args.chat_template,
         max_body_bytes=args.max_request_bytes,
-        shutdown_timeout=args.shutdown_timeout,
+        timeouts=Timeouts(**{k: v for k, v in given.items() if v is not None}),
     )
 
 
@@ -219,9 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-request-bytes", type=int, default=2 * 2**20, help="larger bodies get 413"
     )
-    srv.add_argument(
-        "--shutdown-timeout", type=float, default=5.0, help="seconds to drain on SIGTERM"
-    )
+    for name, what in (  # the defaults are minillm.serving.http.Timeouts'
+        ("idle", "a kept-alive connection may wait between requests (default 5)"),
+        ("header", "a client may take to send a request's headers (default 10)"),
+        ("body", "a client may take to send a request's body, then 408 (default 30)"),
+        ("shutdown", "SIGTERM lets open requests finish, then 503 (default 5)"),
+    ):
+        srv.add_argument(f"--{name}-timeout", type=float, help=f"seconds {what}")
     srv.set_defaults(func=_serve)
 
     from minillm.bench import add_arguments as bench_arguments

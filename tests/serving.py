@@ -4,9 +4,9 @@ import threading
 import time
 from contextlib import contextmanager
 
-import uvicorn
-
 from minillm.bench.http_load import free_port
+from minillm.serving.api_server import http_server
+from minillm.serving.http import DEFAULT_TIMEOUTS, Timeouts
 
 # A ChatML template, for chat on the bundled model (which has no template of its own).
 CHATML = (
@@ -16,10 +16,14 @@ CHATML = (
 
 
 @contextmanager
-def running(app):
-    """Serve `app` on a free loopback port in a thread; yields the base url."""
+def running(app, timeouts: Timeouts = DEFAULT_TIMEOUTS, server: list | None = None):
+    """Serve `app` on a free loopback port in a thread, as `python -m minillm serve` does
+    (its transport and timeouts); yields the base url (and appends the uvicorn server to
+    `server`, for a test that shuts it down itself)."""
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    srv = http_server(app, "127.0.0.1", port, timeouts, log_level="error")
+    if server is not None:
+        server.append(srv)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 20

@@ -1,6 +1,6 @@
 """The server under hostile and heavy traffic, on loopback only, every wait bounded:
 
-- 60 malformed or hostile requests: each gets a 4xx with OpenAI's error JSON, and the
+- 70 malformed or hostile requests: each gets a 4xx with OpenAI's error JSON, and the
   server is healthy after each (nothing left running, /health answers);
 - a 500 is OpenAI-shaped and carries no traceback;
 - one bad request among 16 good concurrent ones (refused, or failing inside the engine)
@@ -85,6 +85,18 @@ HOSTILE = [  # (name, method, path, httpx kwargs, status, the error message says
     ("logprobs 21", "POST", C, {"json": {"prompt": "a", "logprobs": 21}}, 400, "max_logprobs"),
     ("logprobs -1", "POST", C, {"json": {"prompt": "a", "logprobs": -1}}, 400, "logprobs"),
     ("logit_bias key", "POST", C, {"json": {"prompt": "a", "logit_bias": {"x": 1}}}, 400, "token id"),
+    ("logit_bias Arabic digit", "POST", C, {"json": {"prompt": "a", "logit_bias": {"\u0667": 1}}}, 400, "ASCII digits"),
+    ("logit_bias superscript", "POST", C, {"json": {"prompt": "a", "logit_bias": {"\u00b2": 1}}}, 400, "ASCII digits"),
+    ("logit_bias doubled minus", "POST", C, {"json": {"prompt": "a", "logit_bias": {"--5": 1}}}, 400, "ASCII digits"),
+    ("logit_bias negative", "POST", C, {"json": {"prompt": "a", "logit_bias": {"-5": 1}}}, 400, "ASCII digits"),
+    ("logit_bias space", "POST", C, {"json": {"prompt": "a", "logit_bias": {" 7": 1}}}, 400, "ASCII digits"),
+    ("logit_bias plus", "POST", C, {"json": {"prompt": "a", "logit_bias": {"+7": 1}}}, 400, "ASCII digits"),
+    ("logit_bias underscore", "POST", C, {"json": {"prompt": "a", "logit_bias": {"7_0": 1}}}, 400, "ASCII digits"),
+    ("stream_options unstreamed", "POST", C, {"json": {"prompt": "a", "stream_options": {"include_usage": True}}}, 400, "stream=true"),
+    ("chat stream_options unstreamed", "POST", CHAT, {"json": {"messages": USER, "stream_options": {"include_usage": True}}}, 400, "stream=true"),
+    ("max_completion_tokens 0", "POST", CHAT, {"json": {"messages": USER, "max_completion_tokens": 0, "max_tokens": 5}}, 400, "max_completion_tokens=0"),
+    ("max token fields disagree", "POST", CHAT, {"json": {"messages": USER, "max_completion_tokens": 3, "max_tokens": 5}}, 400, "disagree"),
+    ("chat max_tokens 0", "POST", CHAT, {"json": {"messages": USER, "max_tokens": 0}}, 400, "max_tokens=0"),
     ("logit_bias id", "POST", C, {"json": {"prompt": "a", "logit_bias": {"99999": 1}}}, 400, "vocabulary"),
     ("logit_bias value", "POST", C, {"json": {"prompt": "a", "logit_bias": {"5": 1000}}}, 400, "[-100, 100]"),
     ("presence 3", "POST", C, {"json": {"prompt": "a", "presence_penalty": 3}}, 400, "presence_penalty"),

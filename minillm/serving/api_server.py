@@ -14,15 +14,13 @@ How it holds up under real clients:
   a step is aborted alone (`engine/model_runner.py`), with an error in its response;
 - every error is OpenAI's error JSON (`errors.py`); a client that disconnects has its
   request aborted, which frees its KV blocks at once;
-- SIGTERM drains for at most `shutdown_timeout` seconds, then cancels what is left; a
-  watchdog ends the process if even that hangs.
+- slow clients are bounded (idle, header and body timeouts), and SIGTERM drains for at most
+  the shutdown timeout, then answers what is left with a 503 (`http.py`); a watchdog ends
+  the process if even that hangs.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -33,10 +31,8 @@ from minillm._version import __version__
 from minillm.engine.llm_engine import Engine
 from minillm.serving.calls import MAX_BODY_BYTES, MAX_PROMPTS, ServerState
 from minillm.serving.errors import BodyLimit, install_error_handlers
+from minillm.serving.http import DEFAULT_TIMEOUTS, Server, Timeouts, config
 from minillm.serving.routes import register
-
-log = logging.getLogger(__name__)
-SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def create_app(
@@ -45,6 +41,7 @@ def create_app(
     chat_template: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_prompts: int = MAX_PROMPTS,
+    timeouts: Timeouts = DEFAULT_TIMEOUTS,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under the name `model_name`. Chat renders the
     model's own template (`chat_template` replaces it; without either, chat is a 400)."""
@@ -62,7 +59,7 @@ def create_app(
     app = FastAPI(title="minillm", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=timeouts.body)
     register(app)
     return app
 
@@ -72,6 +69,7 @@ def build_app(
     served_model_name: str | None = None,
     chat_template: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    timeouts: Timeouts = DEFAULT_TIMEOUTS,
     **engine_kwargs: Any,
 ) -> FastAPI:
     """Load a checkpoint (None: the bundled model) and wrap it in the server app.
@@ -85,7 +83,7 @@ def build_app(
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     name = served_model_name or model or "minillm-bundled"
-    return create_app(engine, name, chat_template, max_body_bytes)
+    return create_app(engine, name, chat_template, max_body_bytes, timeouts=timeouts)
 
 
 def serve(
@@ -94,42 +92,22 @@ def serve(
     port: int = 8000,
     served_model_name: str | None = None,
     log_level: str = "info",
-    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+    timeouts: Timeouts = DEFAULT_TIMEOUTS,
     **app_kwargs: Any,
 ) -> None:
     """Run the OpenAI-compatible server until SIGINT/SIGTERM (`python -m minillm serve`)."""
-    import uvicorn
-
-    app = build_app(model, served_model_name, **app_kwargs)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout
-    )
-    Server(config, hard_deadline=shutdown_timeout + 5).run()
+    app = build_app(model, served_model_name, timeouts=timeouts, **app_kwargs)
+    http_server(app, host, port, timeouts, log_level).run()
 
 
-try:
-    import uvicorn as _uvicorn
-
-    class Server(_uvicorn.Server):
-        """uvicorn's server, plus a watchdog: once asked to exit, the process ends within
-        `hard_deadline` seconds even if something (a stuck request, a stuck step) blocks
-        the graceful shutdown."""
-
-        def __init__(self, config: Any, hard_deadline: float) -> None:
-            super().__init__(config)
-            self.hard_deadline = hard_deadline
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                timer = threading.Timer(self.hard_deadline, _hard_exit, (self.hard_deadline,))
-                timer.daemon = True
-                timer.start()
-            super().handle_exit(sig, frame)
-
-except ImportError:  # pragma: no cover - fastapi without uvicorn: create_app still works
-    pass
-
-
-def _hard_exit(seconds: float) -> None:
-    log.error("shutdown took over %.0f s: exiting now", seconds)
-    os._exit(1)
+def http_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    timeouts: Timeouts = DEFAULT_TIMEOUTS,
+    log_level: str = "info",
+) -> Server:
+    """uvicorn serving `app` (from `create_app`) with the transport of `http.py`; at the
+    shutdown deadline the engine's unfinished requests get their 503."""
+    core = app.state.server.core
+    return Server(config(app, host, port, timeouts, log_level), lambda: core.stop(timeout=0))

@@ -53,13 +53,15 @@ class AsyncEngine:
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop stepping (a step in progress ends first, up to `timeout`), then give every
-        unfinished request its shutdown error."""
+        """Give every unfinished request its shutdown error at once, then stop stepping (a
+        step in progress ends first, up to `timeout`). Safe to call twice, from any thread;
+        a request added after it fails at once."""
         self.running = False
         self.wake.set()
+        self._fail_pending(SHUTDOWN_ERROR)
         if self.thread is not None:
             self.thread.join(timeout=timeout)
-        self._fail_pending(SHUTDOWN_ERROR)
+        self._fail_pending(SHUTDOWN_ERROR)  # what the last step's drain still added
 
     def _fail_pending(self, error: str) -> None:
         with self.lock:
@@ -74,6 +76,9 @@ class AsyncEngine:
         """Queue a checked request; `deliver(output)` is called on the engine thread with
         each of its outputs, the last one finished."""
         request_id = uuid.uuid4().hex
+        if not self.running:  # stopped (or never started): nobody would ever step it
+            deliver(failed_output(request_id, prompt_ids, SHUTDOWN_ERROR))
+            return request_id
         with self.lock:
             self.pending[request_id] = (prompt_ids, deliver)
         self.inbox.put(("add", request_id, prompt_ids, params, time.perf_counter()))

@@ -21,6 +21,7 @@ from minillm.serving.validation import (
     check_model,
     check_request,
     completion_prompts,
+    include_usage,
     longest_token_chars,
     parse,
     sampling_params,
@@ -121,8 +122,7 @@ def completion_call(raw: bytes, state: ServerState) -> Call:
         if body.echo and prompt.text is None:
             prompt.text = state.tokenizer.decode(prompt.ids, body.skip_special_tokens)
         jobs.append(Job(i, prompt, params, body.echo, echo_only))
-    usage = body.stream_options is not None and body.stream_options.include_usage
-    return Call(jobs, False, n, body.stream, usage, body.logprobs)
+    return Call(jobs, False, n, body.stream, include_usage(body), body.logprobs)
 
 
 def chat_call(raw: bytes, state: ServerState) -> Call:
@@ -144,12 +144,19 @@ def chat_call(raw: bytes, state: ServerState) -> Call:
         state.context,
         state.token_chars,
     )
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:  # OpenAI's older name
+        max_tokens, field = body.max_tokens, "max_tokens"
+    elif body.max_tokens is not None and body.max_tokens != max_tokens:
+        raise ApiError(
+            f"max_completion_tokens={max_tokens} and max_tokens={body.max_tokens} disagree: "
+            "send one of them (max_tokens is the older name)",
+            "max_tokens",
+        )
     if max_tokens == 0:
-        raise ApiError("max_tokens=0 generates nothing: give max_tokens >= 1", "max_tokens")
+        raise ApiError(f"{field}=0 generates nothing: give {field} >= 1", field)
     max_tokens = max_tokens or max(state.context - len(prompt.ids), 1)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs=top)
     check_request(state.engine, prompt, params)
-    usage = body.stream_options is not None and body.stream_options.include_usage
-    return Call([Job(0, prompt, params)], True, body.n, body.stream, usage, top)
+    return Call([Job(0, prompt, params)], True, body.n, body.stream, include_usage(body), top)

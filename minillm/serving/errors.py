@@ -5,20 +5,24 @@ in the server's log and never in the response).
 
 `BodyLimit` reads each request body before the app sees it and answers 413 as soon as the
 body passes `max_bytes` (or its Content-Length says it will): a 50 MB body is refused after
-reading 2 MB, not parsed.
+reading 2 MB, not parsed. It also bounds the time the body takes (408), and is where a
+client that leaves, or a shutdown deadline, ends a request without an error of ours.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from minillm.serving.async_engine import SHUTDOWN_ERROR
 from minillm.serving.protocol import ApiError, error_body, error_response
 
 log = logging.getLogger(__name__)
@@ -46,47 +50,84 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(message, None, err.status_code)
 
     @app.exception_handler(Exception)
-    async def _bug(request: Request, err: Exception) -> JSONResponse:
+    async def _bug(request: Request, err: Exception) -> Response:
+        if isinstance(err, ClientDisconnect):  # nobody to answer, and nothing went wrong
+            return Response(status_code=499)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         message = f"internal server error ({type(err).__name__}); the server log has the details"
         return error_response(message, None, 500)
 
 
 class BodyLimit:
-    """ASGI middleware: refuse a request body over `max_bytes` with 413, before parsing."""
+    """ASGI middleware, the app's outermost layer: read the whole body before the app sees
+    it, refusing one over `max_bytes` (413) or slower than `timeout` seconds (408); let a
+    client that leaves mid-body go (nothing to answer, nothing to log); and answer a request
+    that uvicorn cancels at its shutdown deadline with a JSON 503 instead of its text 500."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            body = await self._body(scope, receive, tracked)
+            if body is None:
+                return
+            replayed = False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, tracked)
+        except asyncio.CancelledError:
+            if started:  # a stream cut at the deadline (they get their error event before it)
+                raise
+            await _send(send, 503, SHUTDOWN_ERROR)
+        except ClientDisconnect:  # the client left while the app read or wrote: not an error
+            log.debug("%s %s: the client disconnected", scope["method"], scope["path"])
+
+    async def _body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None when it was refused (answered) or its client left."""
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and not declared.isdigit():
-            return await _send(send, 400, "the Content-Length header is not a number")
+            await _send(send, 400, "the Content-Length header is not a number")
+            return None
         if declared is not None and int(declared) > self.max_bytes:
-            return await _send(send, 413, self._too_large(int(declared)))
-        body, first = bytearray(), None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                first = message
-                break
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                return await _send(send, 413, self._too_large(len(body), at_least=True))
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first or {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+            await _send(send, 413, self._too_large(int(declared)))
+            return None
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left before the end
+                        log.debug("%s: the client left before its body ended", scope["path"])
+                        return None
+                    body += message.get("body", b"")
+                    if len(body) > self.max_bytes:
+                        await _send(send, 413, self._too_large(len(body), at_least=True))
+                        return None
+                    if not message.get("more_body", False):
+                        return bytes(body)
+        except TimeoutError:
+            message = (
+                f"the request body did not arrive within {self.timeout:g} s "
+                f"({len(body)} bytes came; start the server with a larger --body-timeout)"
+            )
+            await _send(send, 408, message)
+            return None
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
         return (
@@ -96,7 +137,13 @@ class BodyLimit:
 
 
 async def _send(send: Send, status: int, message: str) -> None:
+    """An error answered before the app has read the body: the connection closes after it,
+    since the rest of the body may still be on its way."""
     body = json.dumps(error_body(message, None, status)).encode("utf-8")
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -36,6 +36,7 @@ Body = TypeVar("Body", bound=BaseModel)
 # queued back to back they would hold up the event loop for both: one at a time.
 PARSING = threading.Lock()
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only such bodies can hold one
+TOKEN_KEY = re.compile(r"[0-9]+")  # a token id as a JSON object key
 
 
 @dataclass
@@ -202,8 +203,8 @@ def chat_prompt(
     plain = []
     for m in messages:
         content = m.content if isinstance(m.content, str) else ""
-        if isinstance(m.content, list):  # OpenAI's content parts: text only
-            content = "".join(part.text for part in m.content)
+        if isinstance(m.content, list):  # OpenAI's content parts: text only, one a line
+            content = "\n".join(part.text for part in m.content)  # as vLLM joins them
         message = {"role": m.role, "content": content}
         plain.append({**message, "name": m.name} if m.name is not None else message)
     check_chars(sum(len(m["content"]) for m in plain), context, chars, "messages")
@@ -236,8 +237,11 @@ def sampling_params(
     }
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise ApiError(f"logit_bias key {key!r} must be a token id", "logit_bias")
+        if not TOKEN_KEY.fullmatch(key):  # not int(): it takes " 7", "+7", "7_0" and "٧"
+            raise ApiError(
+                f'logit_bias key {key!r} must be a token id: ASCII digits, such as "42"',
+                "logit_bias",
+            )
         bias[int(key)] = value
     try:
         return SamplingParams(
@@ -258,6 +262,16 @@ def sampling_params(
         )
     except ValueError as err:
         raise ApiError(str(err), _param_of(str(err))) from None
+
+
+def include_usage(body: SamplingFields) -> bool:
+    """Whether a stream ends with a usage chunk; `stream_options` goes with `stream` only
+    (as vLLM checks it): sent without it, it would be ignored."""
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            "stream_options is only for streams: send it with stream=true", "stream_options"
+        )
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 def check_request(engine: Engine, prompt: Prompt, params: SamplingParams) -> None:
