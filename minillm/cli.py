@@ -120,26 +120,30 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from minillm.engine.config import EngineConfig
     from minillm.serving.api_server import serve
     from minillm.serving.http import Timeouts
 
     names = ("idle", "header", "body", "shutdown")
     given = {name: getattr(args, f"{name}_timeout") for name in names}
+    config = EngineConfig(
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+    )  # checked here, before the model loads
     serve(
         model=args.model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
         device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed,
         chat_template=args.chat_template,
         max_body_bytes=args.max_request_bytes,
         timeouts=Timeouts(**{k: v for k, v in given.items() if v is not None}),
+        config=config,
     )
 
 

@@ -167,8 +167,6 @@ def test_prefix_cache_hits_only_blocks_already_computed(model, tok, prompts):
 def test_abort_frees_blocks_at_once(model, tok, workload):
     engine = Engine(model, tok, max_num_seqs=2)
     ids = [engine.add_request(p, greedy(30)) for p in workload[:4]]
-    seen = []
-    engine.requests[ids[3]].on_output = seen.append
     for _ in range(3):
         engine.step()
     assert engine.num_running == 2 and engine.num_blocks_used > 0
@@ -176,8 +174,8 @@ def test_abort_frees_blocks_at_once(model, tok, workload):
     before = engine.num_blocks_used
     engine.abort(ids[0])  # running
     assert engine.num_blocks_used == before - used_by_first
-    engine.abort(ids[3])  # still waiting
-    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    last = engine.abort(ids[3])  # still waiting: its final output comes back at once
+    assert last.finished and last.outputs[0].finish_reason == "abort"
     outs = engine.run_to_completion()
     assert [o.request_id for o in outs] == [ids[1], ids[2]]
     assert not leaked(engine)
@@ -206,8 +204,12 @@ def test_stop_strings_cut_the_text_and_streams_never_show_them(model, tok, promp
     engine = Engine(model, tok)
     streamed = []
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
-    engine.add_request(prompts[0], params, on_output=lambda o: streamed.append(o.outputs[0].text))
-    out = engine.run_to_completion()[0].outputs[0]
+    engine.add_request(prompts[0], params)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()  # each step's outputs: what a stream would send
+    streamed = [o.outputs[0].text for o in outputs]
+    out = outputs[-1].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (cut, "stop", stop)
     assert all(cut.startswith(s) for s in streamed) and streamed[-1] == cut
     assert not leaked(engine)

@@ -2,6 +2,8 @@
 requests it shared the step with get exactly the tokens they get alone: a failure in the
 batched forward, in one sequence's draw, in its detokenization, in delivering its output."""
 
+import threading
+
 import pytest
 from helpers import greedy
 
@@ -80,13 +82,28 @@ def test_a_failing_detokenization_fails_only_its_request(model, workload, alone)
 
 
 def test_a_consumer_that_raises_loses_only_its_own_request(model, workload, alone):
+    """The engine returns its outputs; the server's engine thread hands them on. A
+    consumer that raises is dropped there, and the other requests never notice."""
+    from minillm.serving.async_engine import AsyncEngine
+
     engine = Engine(model, load_tokenizer())
+    core, finals, done = AsyncEngine(engine), {}, threading.Event()
+
+    def keep(out):
+        if out.finished:
+            finals[out.request_id] = out
+            if len(finals) == len(workload):
+                done.set()
 
     def gone(_out):
         raise RuntimeError("the client's queue is closed")
 
-    ids = [engine.add_request(p, greedy(12)) for p in workload]
-    engine.add_request(workload[2], greedy(12), request_id="bad", on_output=gone)
-    outs = {o.request_id: o for o in engine.run_to_completion()}
-    assert [outs[i].outputs[0].token_ids for i in ids] == alone
-    assert "bad" not in outs and free(engine)
+    core.start()
+    try:
+        ids = [core.add(p, greedy(12), keep) for p in workload]
+        bad = core.add(workload[2], greedy(12), gone)
+        assert done.wait(timeout=60), "the good requests did not finish"
+    finally:
+        core.stop(timeout=5)
+    assert [finals[i].outputs[0].token_ids for i in ids] == alone
+    assert bad not in finals and bad not in engine.requests and free(engine)

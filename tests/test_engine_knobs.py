@@ -1,13 +1,14 @@
 """vLLM's engine-level arguments, implemented: the engine seed, the KV pool sized from a
 memory fraction (pure arithmetic checked with made-up numbers, and the CPU rule inside a
-real engine), the token budget per step, and model parallelism refused."""
+real engine), the token budget per step, model parallelism refused, and every setting
+checked once, in `EngineConfig`, with a message that names the fix."""
 
 import pytest
 import torch
 
 from minillm import load_tokenizer
 from minillm.cache import PagedKVCache
-from minillm.engine import LLM, Engine, SamplingParams, memory
+from minillm.engine import LLM, Engine, EngineConfig, SamplingParams, memory
 
 GIB, MIB = 2**30, 2**20
 
@@ -83,7 +84,7 @@ def test_gpu_rule_names_the_fix_when_no_block_fits():
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
 def test_utilization_must_be_a_fraction(fraction):
     with pytest.raises(ValueError, match="in \\(0, 1\\]"):
-        memory.plan_gpu_pool(80 * GIB, fraction, 0, 0, MIB)
+        EngineConfig(gpu_memory_utilization=fraction)
 
 
 def test_cpu_rule_caps_bytes_and_blocks():
@@ -145,5 +146,40 @@ def test_serve_cli_passes_the_knobs_to_the_engine(monkeypatch):
     monkeypatch.setattr(api_server, "serve", lambda **kwargs: seen.update(kwargs))
     argv = ["serve", "--gpu-memory-utilization", "0.5", "--seed", "3"]
     cli.main([*argv, "--max-num-batched-tokens", "64"])
-    assert seen["gpu_memory_utilization"] == 0.5 and seen["seed"] == 3
-    assert seen["max_num_batched_tokens"] == 64
+    config = seen["config"]
+    assert config.gpu_memory_utilization == 0.5 and config.seed == 3
+    assert config.max_num_batched_tokens == 64
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens=-1"),
+        ({"block_size": 0}, "block_size=0"),
+        ({"num_blocks": 0}, "num_blocks must be >= 1"),
+        ({"preemption_mode": "drop"}, "use 'recompute' or 'swap'"),
+        ({"decode_mode": "graph"}, "decode_mode='graph'"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype='int4'"),
+        ({"max_logprobs": -1}, "max_logprobs=-1"),
+        ({"max_num_seq": 8}, "unknown engine setting(s) ['max_num_seq']"),
+    ],
+)
+def test_a_bad_setting_is_refused_once_with_the_fix(settings, says):
+    with pytest.raises(ValueError) as err:
+        EngineConfig.of(**settings)
+    assert says in str(err.value)
+
+
+def test_llm_engine_and_serve_share_one_config(model, tok):
+    """vLLM's names map onto ours; an Engine takes a config or its settings, not both; LLM
+    checks its settings before it loads any weights."""
+    config = EngineConfig.of(num_gpu_blocks_override=9, enable_prefix_caching=False)
+    assert (config.num_blocks, config.prefix_cache) == (9, False)
+    engine = Engine(model, tok, config)
+    assert engine.config is config and engine.manager.num_blocks == 9
+    assert Engine(model, tok, num_blocks=9).config == config.__class__(num_blocks=9)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, tok, config, max_num_seqs=2)
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        LLM(model="/nonexistent/checkpoint", max_num_seq=2)  # refused before loading

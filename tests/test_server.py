@@ -12,7 +12,7 @@ import pytest
 from serving import CHATML, free_port, running
 
 from minillm import load_tokenizer
-from minillm.engine import Engine, SamplingParams
+from minillm.engine import Engine, EngineConfig, SamplingParams
 from minillm.serving.api_server import build_app, create_app
 
 NAME = "minillm-bundled"
@@ -185,7 +185,7 @@ def test_chat_prompt_is_the_template_with_the_real_special_tokens(server, client
 
 
 def test_build_app_serves_the_bundled_model_by_default():
-    app = build_app(max_num_seqs=2)
+    app = build_app(config=EngineConfig(max_num_seqs=2))
     paths = {route.path for route in app.routes}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics"} <= paths
     assert {"/tokenize", "/detokenize", "/version", "/health"} <= paths

@@ -34,14 +34,15 @@ def free_port() -> int:
 
 
 def start_server(
-    port: int, batch: int, model: str | None = None, **engine_kwargs: Any
+    port: int, batch: int, model: str | None = None, **settings: Any
 ) -> subprocess.Popen:
     """`minillm` serving `model` (None: the bundled one) in a subprocess with one intra-op
-    thread; `engine_kwargs` go to `Engine` (e.g. `prefix_cache=False`)."""
-    kwargs = {"max_num_seqs": batch, **engine_kwargs}
+    thread; `settings` are the engine's (`EngineConfig`, e.g. `prefix_cache=False`)."""
+    config = {"max_num_seqs": batch, **settings}
     code = (
         "import torch; torch.set_num_threads(1); from minillm.serving.api_server import serve; "
-        f"serve({model!r}, port={port}, log_level='warning', **{kwargs!r})"
+        "from minillm.engine.config import EngineConfig; "
+        f"serve({model!r}, port={port}, log_level='warning', config=EngineConfig(**{config!r}))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)

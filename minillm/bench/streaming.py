@@ -41,11 +41,11 @@ def stream_cost(
         ]
     params = greedy_params(n, output_kind="delta", stop=["@@never@@"])
     received = []
-    engine.add_request([1, 2, 3, 4], params, on_output=lambda out: received.append(out))
+    engine.add_request([1, 2, 3, 4], params)
     per_step = []
     while engine.has_unfinished():
         before = engine.time_in["postprocess"]
-        engine.step()
+        received += engine.step()
         per_step.append(engine.time_in["postprocess"] - before)
     text = "".join(o.outputs[0].text for o in received)
     ids = [t for o in received for t in o.outputs[0].token_ids]

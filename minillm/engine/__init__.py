@@ -1,6 +1,8 @@
 """Chapter 08: continuous batching over the paged KV cache (sequence, scheduler, model runner,
-detokenizer, the engine) and vLLM's offline API (`LLM`); the server is `minillm.serving`."""
+detokenizer, the engine and its one `EngineConfig`) and vLLM's offline API (`LLM`); the
+server is `minillm.serving`."""
 
+from minillm.engine.config import EngineConfig
 from minillm.engine.llm import LLM
 from minillm.engine.llm_engine import Engine
 from minillm.engine.outputs import CompletionOutput, RequestOutput
@@ -12,6 +14,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "Engine",
+    "EngineConfig",
     "RequestOutput",
     "SamplingParams",
     "Scheduler",

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import Engine, final_only
 from minillm.engine.outputs import RequestOutput
 from minillm.generation.sampling import SamplingParams
@@ -27,7 +29,9 @@ Prompt = str | list[int] | dict
 class LLM:
     """A model and an engine; `generate` runs a list of prompts to completion.
 
-    vLLM's engine-level arguments do what they do there:
+    vLLM's engine-level arguments do what they do there; every keyword beyond the first
+    seven is an `EngineConfig` setting (`minillm.engine.config`, vLLM's names accepted),
+    checked before the weights load:
 
     - `seed`: the engine's RNG; requests without a seed of their own draw one from it in
       arrival order, so the same prompts give the same samples run after run (a request's
@@ -37,7 +41,7 @@ class LLM:
       (`minillm.engine.memory`; on a CPU a documented rule). `num_blocks` (or vLLM's
       `num_gpu_blocks_override`) sets the pool's size instead.
     - `max_num_batched_tokens`: the scheduler's token budget per step; `max_num_seqs`: the
-      most sequences running at once (both go to the `Engine` with the other keywords).
+      most sequences running at once.
     - `tensor_parallel_size` and `pipeline_parallel_size` other than 1 are refused:
       minillm runs on one device.
     """
@@ -51,22 +55,17 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
-        **engine_kwargs,
+        **settings: Any,
     ) -> None:
         check_single_device(tensor_parallel_size, pipeline_parallel_size)
-        if "num_gpu_blocks_override" in engine_kwargs:  # vLLM's name for a fixed pool size
-            engine_kwargs["num_blocks"] = engine_kwargs.pop("num_gpu_blocks_override")
+        config = EngineConfig.of(
+            seed=seed, gpu_memory_utilization=gpu_memory_utilization, **settings
+        )
         self.model_name = model or "minillm-bundled"
         self.tokenizer = load_tokenizer(model)
         # dtype "auto": bf16 on a GPU, fp32 on a CPU (vLLM's "auto" reads the checkpoint)
         weights = load_model(model, dtype=dtype, device=device or "auto")
-        self.engine = Engine(
-            weights,
-            self.tokenizer,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            **engine_kwargs,
-        )
+        self.engine = Engine(weights, self.tokenizer, config)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -19,13 +19,13 @@ fail later: token ids outside the vocabulary, too many samples or logprobs, too 
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from minillm.cache.block_manager import BlockManager
+from minillm.engine.config import EngineConfig
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.limits import check_request
 from minillm.engine.memory import SWAP_SPACE, pool_blocks
@@ -38,8 +38,6 @@ from minillm.generation.sampling import SamplingParams
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.transformer import Transformer
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(eq=False)
 class Request:
@@ -48,7 +46,6 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    on_output: Callable[[RequestOutput], None] | None = None
     sent: list[int] = field(default_factory=list)  # token ids already emitted, per sample
     prompt_logprobs_sent: bool = False
     error: str | None = None
@@ -78,50 +75,43 @@ class Engine:
         self,
         model: Transformer,
         tokenizer: Tokenizer,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
-        prefix_cache: bool = True,
-        static: bool = False,
-        use_kernel: bool | None = None,
-        chunked_prefill: bool = True,
-        preemption_mode: str = "recompute",
-        num_swap_blocks: int | None = None,
-        decode_mode: str | None = None,
-        kv_cache_dtype: str = "auto",
-        max_logprobs: int = 20,
-        gpu_memory_utilization: float | None = None,
-        seed: int | None = None,
+        config: EngineConfig | None = None,
+        **settings: Any,
     ) -> None:
+        """`settings` are `EngineConfig`'s fields, a shorthand for `config=EngineConfig(...)`
+        (`Engine(model, tok, max_num_seqs=8)`)."""
+        if config is not None and settings:
+            raise ValueError(f"give config= or settings {sorted(settings)}, not both")
+        self.config = cfg = config or EngineConfig.of(**settings)
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_logprobs = max_logprobs  # vLLM's limit on logprobs / prompt_logprobs
+        self.max_logprobs = cfg.max_logprobs  # vLLM's limit on logprobs / prompt_logprobs
         # vLLM's LLM(seed=...): unseeded requests draw their seeds from this, in arrival order
-        self.seeds = random.Random(seed) if seed is not None else None
+        self.seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         on_gpu = model.lm_head.weight.is_cuda
+        use_kernel = cfg.use_kernel
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
-            use_kernel = on_gpu and kv_cache_dtype == "auto"  # the kernel reads unquantized K/V
-        if decode_mode is None:  # decode steps: CUDA graphs on a GPU, plain Python on a CPU
-            decode_mode = "cuda_graph" if on_gpu else "eager"
+            use_kernel = on_gpu and cfg.kv_cache_dtype == "auto"  # it reads unquantized K/V
+        decode_mode = cfg.decode_mode or ("cuda_graph" if on_gpu else "eager")
         self.context = model.config.max_position_embeddings
         # num_blocks, else a fraction of memory (memory.py), else every sequence at full context
         num_blocks, self.pool_plan = pool_blocks(
-            model, num_blocks, gpu_memory_utilization, block_size, max_num_seqs,
-            max_num_batched_tokens, kv_cache_dtype,
+            model, cfg.num_blocks, cfg.gpu_memory_utilization, cfg.block_size,
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_dtype,
         )  # fmt: skip
+        num_swap_blocks = cfg.num_swap_blocks
         if num_swap_blocks is None:  # swap space: the pool's size (sized from memory: <= 4 GiB)
             cap = SWAP_SPACE // (self.pool_plan.bytes_per_block if self.pool_plan else 1)
-            num_swap_blocks = min(num_blocks, cap) if preemption_mode == "swap" else 0
+            num_swap_blocks = min(num_blocks, cap) if cfg.preemption_mode == "swap" else 0
         self.manager = BlockManager(
-            num_blocks, block_size, prefix_cache, num_swap_blocks=num_swap_blocks
+            num_blocks, cfg.block_size, cfg.prefix_cache, num_swap_blocks=num_swap_blocks
         )
         self.scheduler = Scheduler(
-            self.manager, max_num_seqs, max_num_batched_tokens, chunked_prefill, static,
-            preemption_mode,
+            self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill,
+            cfg.static, cfg.preemption_mode,
         )  # fmt: skip
         self.runner = ModelRunner(
-            model, self.manager, use_kernel, num_swap_blocks, decode_mode, max_num_seqs,
-            kv_cache_dtype,
+            model, self.manager, use_kernel, num_swap_blocks, decode_mode, cfg.max_num_seqs,
+            cfg.kv_cache_dtype,
         )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
@@ -136,7 +126,6 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        on_output: Callable[[RequestOutput], None] | None = None,
         arrival_time: float | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Raises ValueError, queuing nothing, if it
@@ -152,7 +141,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(ids, params=params, request_id=request_id)
         metrics = RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time)
-        self.requests[request_id] = Request(request_id, text, params, [seq], metrics, on_output)
+        self.requests[request_id] = Request(request_id, text, params, [seq], metrics)
         self.scheduler.add(seq)
         return request_id
 
@@ -179,7 +168,7 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self.num_aborted += 1
-        return self._emit_safely(request, force=True)
+        return self._emit(request, force=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -194,7 +183,8 @@ class Engine:
         t1 = time.perf_counter()
         sampled = self.runner.run(batch) if batch.items else []
         t2 = time.perf_counter()
-        moved, failed = self.scheduler.postprocess(batch, sampled, self._stop)
+        moved, failed = self.scheduler.postprocess(batch, sampled)
+        moved = [seq for seq in moved if self._check_stop(seq, failed)]
         self.num_prompt_tokens += batch.num_prefill_tokens
         self.num_generated_tokens += len(moved)
         if self.trace is not None:
@@ -204,15 +194,27 @@ class Engine:
         for seq in failed:  # its whole request goes, with the error; nobody else's
             outputs.append(self.abort(seq.request_id, f"the engine failed on it: {seq.error}"))
         moved_requests = [self.requests.get(s.request_id) for s in moved]
-        outputs += [self._emit_safely(r) for r in dict.fromkeys(moved_requests) if r is not None]
+        outputs += [self._emit(r) for r in dict.fromkeys(moved_requests) if r is not None]
         t3 = time.perf_counter()
         for name, dt in (("schedule", t1 - t0), ("run", t2 - t1), ("postprocess", t3 - t2)):
             self.time_in[name] += dt
         return [out for out in outputs if out is not None]
 
-    def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
-        """After `token` was appended: detokenize it, and say whether the sequence ends
-        (stop token, stop string on the new text, or length)."""
+    def _check_stop(self, seq: Sequence, failed: list[Sequence]) -> bool:
+        """After a token was appended: detokenize it and finish the sequence if it ends
+        (stop token, stop string on the new text, or length). A sequence whose detokenizing
+        raises fails alone (into `failed`). False: it failed."""
+        try:
+            reason = self._stop_reason(seq)
+        except Exception as err:  # this one sequence's text could not be made
+            self.scheduler.fail(seq, f"{type(err).__name__}: {err}")
+            failed.append(seq)
+            return False
+        if reason is not None:
+            self.scheduler.finish(seq, *reason)
+        return True
+
+    def _stop_reason(self, seq: Sequence) -> tuple[str, int | str | None] | None:
         request = self.requests[seq.request_id]
         if seq not in request.seqs:  # a child forked this step
             request.seqs.append(seq)
@@ -223,7 +225,7 @@ class Engine:
         if seq.index == 0:
             metrics.token_times.append(seq.token_times[-1])
         stops = stop_ids(self.model, seq.params)
-        reason = finish_reason(token, seq.num_output_tokens, seq.params, stops)
+        reason = finish_reason(seq.token_ids[-1], seq.num_output_tokens, seq.params, stops)
         stops_count = seq.num_output_tokens > seq.params.min_tokens  # vLLM's min_tokens rule
         stop_string = seq.detokenizer.update(
             seq.token_ids, seq.num_prompt_tokens, reason is not None, stops_count
@@ -231,20 +233,6 @@ class Engine:
         if reason is None and stop_string is not None:
             return "stop", stop_string
         return reason
-
-    def _emit_safely(self, request: Request, force: bool = False) -> RequestOutput | None:
-        """`_emit`, and if building or delivering the output raises, drop the request: its
-        consumer cannot be told (the delivery is what failed), the others are unaffected."""
-        try:
-            return self._emit(request, force)
-        except Exception:  # one consumer's failure, kept to its request
-            log.exception("emitting request %s failed; dropping it", request.request_id)
-            if self.requests.pop(request.request_id, None) is not None:
-                self.num_aborted += 1
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
-            return None
 
     def _emit(self, request: Request, force: bool = False) -> RequestOutput | None:
         """The request's output for its output_kind (None when final_only and running).
@@ -300,8 +288,6 @@ class Engine:
             prompt_logprobs,
             request.error,
         )
-        if request.on_output is not None:
-            request.on_output(out)
         return out
 
     def _record(self, batch: Batch, start: float, end: float) -> StepRecord:

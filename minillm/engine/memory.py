@@ -98,7 +98,6 @@ def plan_gpu_pool(
 ) -> PoolPlan:
     """vLLM's rule: (total x utilization - weights - activations - other) // block bytes.
     Raises ValueError naming the fixes when not one block fits."""
-    check_utilization(utilization)
     budget = int(total * utilization)
     left = budget - weights - activations - other
     blocks = max(left, 0) // bytes_per_block - 1  # the cache keeps one block for padding
@@ -125,7 +124,6 @@ def plan_cpu_pool(
 ) -> PoolPlan:
     """The CPU rule: min(available x utilization, cap_bytes) // block bytes, and at most
     `cap_blocks`. Raises ValueError naming the fixes when not one block fits."""
-    check_utilization(utilization)
     budget = min(int(available * utilization), cap_bytes)
     blocks = min(budget // bytes_per_block, cap_blocks)
     if blocks < 1:
@@ -135,14 +133,6 @@ def plan_cpu_pool(
             "raise gpu_memory_utilization, or pass num_blocks"
         )
     return PoolPlan("cpu", budget, weights, 0, 0, bytes_per_block, blocks, cap_blocks)
-
-
-def check_utilization(utilization: float) -> None:
-    if not 0 < utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization}: a fraction of memory, in (0, 1] "
-            "(vLLM's default is 0.9)"
-        )
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

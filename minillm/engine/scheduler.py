@@ -29,7 +29,6 @@ admits nothing new.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minillm.cache.block_manager import BlockManager
@@ -101,10 +100,6 @@ class Scheduler:
         static: bool = False,
         preemption_mode: str = "recompute",
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode={preemption_mode!r}: use 'recompute' or 'swap'")
         self.manager, self.static, self.preemption_mode = manager, static, preemption_mode
         self.chunked = chunked_prefill and not static
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -229,20 +224,17 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the forward
-    def postprocess(
-        self, batch: Batch, sampled: list[Sampled], stop: Callable[[Sequence, int], tuple | None]
-    ) -> tuple[list[Sequence], list[Sequence]]:
+    def postprocess(self, batch: Batch, sampled: list[Sampled]) -> tuple[list[Sequence], list]:
         """Record a step: mark the computed tokens (which publishes full blocks to the prefix
-        cache), append each sampled token, and finish the sequences that `stop(seq, token)`
-        ends (it returns (finish_reason, stop_reason) or None). A share or a sampler that
-        failed, or whose `stop` raises, finishes its sequences with "abort" and their
-        `error`, and publishes nothing. Returns (sequences that got a token, that failed)."""
+        cache) and append each sampled token. A share or a sampler that failed finishes its
+        sequences with "abort" and their `error`, and publishes nothing. Returns (sequences
+        that got a token, sequences that failed); whether a token ends its sequence is the
+        engine's to say (it detokenizes)."""
         moved, failed, it = [], [], iter(sampled)
         for item in batch.items:
             draws = [next(it) for _ in item.samplers]
             if item.error is not None:
-                for seq in (item.seq, *item.samplers):
-                    self._fail(seq, item.error, failed)
+                failed += [s for s in (item.seq, *item.samplers) if self.fail(s, item.error)]
                 continue
             computed = item.start + item.num_tokens
             for seq in item.samplers or [item.seq]:
@@ -252,24 +244,20 @@ class Scheduler:
                 item.seq.reads_prefix_cache = not item.seq.needs_prompt_logprobs
             for seq, draw in zip(item.samplers, draws, strict=True):
                 if draw.error is not None:
-                    self._fail(seq, draw.error, failed)
+                    failed += [seq] if self.fail(seq, draw.error) else []
                     continue
                 seq.append(draw.token, draw.logprobs)
-                try:
-                    reason = stop(seq, draw.token)
-                except Exception as err:  # detokenizing this one sequence failed
-                    self._fail(seq, f"{type(err).__name__}: {err}", failed)
-                    continue
                 moved.append(seq)
-                if reason is not None:
-                    self.finish(seq, *reason)
         return moved, failed
 
-    def _fail(self, seq: Sequence, error: str, failed: list[Sequence]) -> None:
-        if not seq.is_finished:
-            seq.error = error
-            self.finish(seq, "abort")
-            failed.append(seq)
+    def fail(self, seq: Sequence, error: str) -> bool:
+        """Abort one sequence with `error` (its request is aborted by the engine); False if
+        it was already finished."""
+        if seq.is_finished:
+            return False
+        seq.error = error
+        self.finish(seq, "abort")
+        return True
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire a sequence (done or aborted): its blocks go back to the pool at once."""

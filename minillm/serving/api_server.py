@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from minillm._version import __version__
+from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import Engine
 from minillm.serving.calls import MAX_BODY_BYTES, MAX_PROMPTS, ServerState
 from minillm.serving.errors import BodyLimit, install_error_handlers
@@ -70,16 +71,18 @@ def build_app(
     chat_template: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     timeouts: Timeouts = DEFAULT_TIMEOUTS,
-    **engine_kwargs: Any,
+    device: str | None = None,
+    config: EngineConfig | None = None,
 ) -> FastAPI:
-    """Load a checkpoint (None: the bundled model) and wrap it in the server app.
-    `chat_template`: a Jinja file (or the template itself) used instead of the model's."""
+    """Load a checkpoint (None: the bundled model) on `device` (None: cuda if present) and
+    wrap an engine with `config` in the server app. `chat_template`: a Jinja file (or the
+    template itself) used instead of the model's."""
     import torch
 
     from minillm.model.weights import load_model, load_tokenizer
 
-    device = engine_kwargs.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(load_model(model, device=device), load_tokenizer(model), **engine_kwargs)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine(load_model(model, device=device), load_tokenizer(model), config)
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     name = served_model_name or model or "minillm-bundled"

@@ -2,10 +2,10 @@
 
 Handlers never touch the engine: they post "add" and "abort" commands to an inbox that the
 engine thread drains between steps (no lock to wait for, so the event loop never stalls
-behind a step), and receive each request's outputs through the `deliver` callback they
-gave. Every request that was added gets a final output, whatever happens: its own, an
-error output if the engine refused it or failed on it, or a shutdown error when the server
-stops. So no handler can wait forever on a request nobody will finish.
+behind a step). The engine thread hands the outputs each step returns to the `deliver`
+callback each handler gave. Every request that was added gets a final output, whatever
+happens: its own, an error output if the engine refused it or failed on it, or a shutdown
+error when the server stops. So no handler can wait forever on a request nobody will finish.
 """
 
 from __future__ import annotations
@@ -89,33 +89,37 @@ class AsyncEngine:
         self.inbox.put(("abort", request_id))
         self.wake.set()
 
-    def _deliver(self, request_id: str) -> Deliver:
-        def deliver(out: RequestOutput) -> None:  # on the engine thread
-            if out.finished:
-                with self.lock:
-                    entry = self.pending.pop(request_id, None)
-                if out.error is not None:
-                    self.metrics.num_failed += 1
-            else:
-                entry = self.pending.get(request_id)
-            if entry is not None:
-                entry[1](out)
-
-        return deliver
+    def _route(self, out: RequestOutput | None) -> None:
+        """Hand an output the engine returned to its consumer (on the engine thread). A
+        consumer that raises is gone: its request is aborted, nobody else's."""
+        if out is None:
+            return
+        with self.lock:
+            entry = (self.pending.pop if out.finished else self.pending.get)(out.request_id, None)
+        if out.finished and out.error is not None:
+            self.metrics.num_failed += 1
+        if entry is None:
+            return
+        try:
+            entry[1](out)
+        except Exception:  # the consumer's failure, kept to its request
+            log.exception("delivering request %s failed; dropping it", out.request_id)
+            with self.lock:
+                self.pending.pop(out.request_id, None)
+            self.engine.abort(out.request_id)
 
     def _drain(self) -> None:
         while not self.inbox.empty():
             command, request_id, *args = self.inbox.get()
             if command == "abort":
-                self.engine.abort(request_id)
+                self._route(self.engine.abort(request_id))
                 continue
             prompt_ids, params, arrival = args
-            deliver = self._deliver(request_id)
             try:
-                self.engine.add_request(prompt_ids, params, request_id, deliver, arrival)
+                self.engine.add_request(prompt_ids, params, request_id, arrival)
             except Exception as err:  # refused after all: tell this request only
                 log.warning("request %s refused by the engine: %s", request_id, err)
-                deliver(failed_output(request_id, prompt_ids, f"{type(err).__name__}: {err}"))
+                self._route(failed_output(request_id, prompt_ids, f"{type(err).__name__}: {err}"))
 
     def _loop(self) -> None:
         try:
@@ -127,11 +131,14 @@ class AsyncEngine:
                         self.metrics.update(self.engine, stepped=False)
                         self.wake.wait(timeout=1.0)
                         continue
-                    self.engine.step()
+                    for out in self.engine.step():
+                        self._route(out)
                 except Exception as err:  # a bug in the shared step itself: nobody's fault
                     log.exception("engine step failed; aborting the requests in flight")
                     for request_id in list(self.engine.requests):
-                        self.engine.abort(request_id, f"internal engine error ({err!r})")
+                        self._route(
+                            self.engine.abort(request_id, f"internal engine error ({err!r})")
+                        )
                 self.metrics.update(self.engine)
         finally:  # stopped, or died: no request may wait for a thread that is gone
             self._fail_pending(SHUTDOWN_ERROR if not self.running else "the engine thread died")
