@@ -66,7 +66,7 @@ def test_paged_quantized_cache_reads_what_the_contiguous_one_reads(model, prompt
     contiguous = KVCache(cfg, 1, n, kv_cache_dtype="int8")
     paged = PagedKVCache(cfg, num_blocks=4, block_size=4, kv_cache_dtype="int8")
     table = [2, 0, 3]  # out of order on purpose
-    paged.plan([], [(table, 0, n)])
+    paged.plan([], [(table, n)])
     torch.testing.assert_close(model(ids, cache=paged), model(ids, cache=contiguous))
 
 

@@ -355,7 +355,7 @@ def test_paged_cache_logits_match_contiguous(model, prompts):
     a_seq = seq(p)
     m.allocate(a_seq)
     paged = PagedKVCache(model.config, 10, bs)
-    paged.plan(decode=[], prefill=[(a_seq.block_table, 0, len(p))])
+    paged.plan(decode=[], chunks=[(a_seq.block_table, len(p))])
     dense = KVCache(model.config, 1, len(p))
     with torch.inference_mode():
         a = model(torch.tensor([p]), cache=paged)

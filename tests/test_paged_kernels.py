@@ -153,7 +153,7 @@ def _prefilled(model, prompts, use_kernel=False):
     seqs = [PagedSequence(list(p)) for p in prompts]
     for s in seqs:
         m.allocate(s)
-    cache.plan(decode=[], prefill=[(s.block_table, 0, len(s)) for s in seqs])
+    cache.plan(decode=[], chunks=[(s.block_table, len(s)) for s in seqs])
     ids = torch.tensor([[t for p in prompts for t in p]], device=DEVICE)
     pos = torch.tensor([[i for p in prompts for i in range(len(p))]], device=DEVICE)
     with torch.inference_mode():
@@ -191,8 +191,8 @@ def test_a_mixed_step_attends_the_same_with_the_kernel_or_a_gather(model, prompt
     chunk_seq = seqs[0].__class__(list(prompts[2]) * 3)
     m.allocate(chunk_seq)
     plan = dict(
-        decode=[(s.block_table, len(s)) for s in seqs],
-        prefill=[(chunk_seq.block_table, 0, len(chunk_seq))],
+        decode=[s.block_table for s in seqs],
+        chunks=[(chunk_seq.block_table, len(chunk_seq))],
     )
     n = len(seqs) + len(chunk_seq)
     g = torch.Generator().manual_seed(1)

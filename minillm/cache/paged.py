@@ -5,14 +5,16 @@ prompt chunks in one forward (chapter 08).
 `minillm.model.Transformer` as its `cache=`. A step's tokens go into the model as ONE row,
 `[1, N]`: first one token per decoding sequence, then each prompt chunk in turn (the
 layout vLLM V1 uses). Every linear layer then reads its weights once for all of them. Only
-attention needs to know which tokens belong together, and `plan` tells the cache:
+attention needs to know which tokens belong together, and `plan` tells the cache whose each
+token is (the decode rows' block tables, then each prompt chunk's table and length). The
+rest follows from the positions the model passes to `attention`, as for any cache:
 
-- each token's slot (its block through its sequence's table, and the offset in it), where
-  its K/V are written;
-- the decode rows (table, context length): attended by the Triton paged kernel in place
-  (`use_kernel=True`), or by gathering their blocks for SDPA;
-- the prompt chunks (table, first position, length): each chunk's queries attend to the
-  sequence's cached tokens and to the chunk's own, causally, on gathered K/V.
+- each token's slot, where its K/V are written: its block (its sequence's table at
+  position // block_size) and the offset in it;
+- what it attends to: its sequence's tokens up to its own position. Decode rows are
+  attended by the Triton paged kernel in place (`use_kernel=True`), or by gathering their
+  blocks for SDPA; each prompt chunk's queries attend to the sequence's cached tokens and
+  to the chunk's own, causally, on gathered K/V.
 
 A second, CPU pool (`num_swap_blocks`) is where a preempted sequence's blocks can be
 swapped to (`swap`). `kv_cache_dtype="int8"` or `"fp8"` stores codes and per-token scales
@@ -102,56 +104,56 @@ class PagedKVCache:
         return sum(p.nbytes for p in self.pools)
 
     def plan(
-        self,
-        decode: Sequence[tuple[Sequence[int], int]],
-        prefill: Sequence[tuple[Sequence[int], int, int]],
+        self, decode: Sequence[Sequence[int]], chunks: Sequence[tuple[Sequence[int], int]]
     ) -> None:
-        """The next forward's layout: `decode` rows (block table, context length counting
-        the new token), then `prefill` chunks (block table, first position, length)."""
-        device, bs = self.k.device, self.block_size
-        slots: list[int] = []
-        for table, length in decode:
-            slots.append(table[(length - 1) // bs] * bs + (length - 1) % bs)
-        for table, start, length in prefill:
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + length)]
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        self.num_decode = len(decode)
-        if decode:
-            self.decode_tables = _tables([t for t, _ in decode], device)
-            self.decode_lens = torch.tensor([n for _, n in decode], device=device)
-        self.chunks = [(_tables([t], device), start, n) for t, start, n in prefill]
+        """The next forward's rows, in the order of its tokens: one token for each `decode`
+        row (its block table), then each prompt chunk's (block table, number of tokens).
+        Where a token's K/V go and what it attends to follow from its position, which the
+        model hands to `attention`: the plan says only whose each token is."""
+        device = self.k.device
+        rows = [
+            *range(len(decode)),
+            *(len(decode) + i for i, (_, n) in enumerate(chunks) for _ in range(n)),
+        ]
+        self.token_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.tables = _tables([*decode, *(t for t, _ in chunks)] or [[0]], device)
+        self.num_decode = len(decode)  # their tables as wide as the widest of them alone
+        self.decode_tables = self.tables[: len(decode), : max(map(len, decode), default=0)]
+        self.chunks = [  # each chunk gathers its own blocks only
+            (self.tables[len(decode) + i : len(decode) + i + 1, : len(t)], n)
+            for i, (t, n) in enumerate(chunks)
+        ]
 
     def plan_static_decode(
-        self, decode: Sequence[tuple[Sequence[int], int]], rows: int, max_blocks: int
+        self, decode: Sequence[Sequence[int]], rows: int, max_blocks: int
     ) -> None:
-        """A decode-only step padded to `rows` rows, written into buffers that keep their
-        addresses from step to step, so that a CUDA graph recorded once (or a compiled step)
-        can replay it: padding rows attend to one slot of the padding block."""
+        """A decode-only step padded to `rows` rows, its tables written into a buffer that
+        keeps its address from step to step, so that a CUDA graph recorded once (or a
+        compiled step) can replay it: padding rows (position 0) attend to one slot of the
+        padding block."""
         if len(decode) > rows:
             raise ValueError(f"{len(decode)} decode rows do not fit a plan of {rows}")
         key = (rows, max_blocks)  # one set of buffers per shape, kept for its recording
         if key not in self._static:
             device = self.k.device
             self._static[key] = {
-                "slots": torch.zeros(rows, dtype=torch.long, device=device),
                 "tables": torch.zeros(rows, max_blocks, dtype=torch.long, device=device),
-                "lens": torch.ones(rows, dtype=torch.long, device=device),
+                "rows": torch.arange(rows, device=device),
             }
         static = self._static[key]
-        pad = self.padding_block
-        bs = self.block_size
-        tables = torch.full((rows, max_blocks), pad, dtype=torch.long)
-        lens = torch.ones(rows, dtype=torch.long)
-        slots = torch.full((rows,), pad * bs, dtype=torch.long)
-        for i, (table, length) in enumerate(decode):
+        tables = torch.full((rows, max_blocks), self.padding_block, dtype=torch.long)
+        for i, table in enumerate(decode):
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-            lens[i] = length
-            slots[i] = table[(length - 1) // bs] * bs + (length - 1) % bs
-        for name, value in (("slots", slots), ("tables", tables), ("lens", lens)):
-            static[name].copy_(value, non_blocking=True)
-        self.slot_mapping = static["slots"]
-        self.decode_tables, self.decode_lens = static["tables"], static["lens"]
+        static["tables"].copy_(tables, non_blocking=True)
+        self.tables, self.token_rows = static["tables"], static["rows"]
+        self.decode_tables = self.tables
         self.num_decode, self.chunks = rows, []
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's slot in the pool [N]: its block (its row's table at position //
+        block_size) and the offset in it (position % block_size)."""
+        bs = self.block_size
+        return self.tables[self.token_rows, positions // bs] * bs + positions % bs
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: copy every layer's K/V of block src into block dst."""
@@ -173,43 +175,44 @@ class PagedKVCache:
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        """Write this step's k, v [1, kv_heads, N, d] at their planned slots, then attend:
-        decode rows through the paged kernel or a gather, chunks on gathered K/V."""
-        if q.shape[0] != 1 or q.shape[2] != self.slot_mapping.numel():
+        """Write this step's k, v [1, kv_heads, N, d] at the slots their positions [1, N]
+        give, then attend: decode rows (seeing positions up to their own) through the paged
+        kernel or a gather, each chunk causally on its row's gathered K/V."""
+        if q.shape[0] != 1 or q.shape[2] != self.token_rows.numel():
             raise ValueError(
-                f"q {tuple(q.shape)} does not match the plan ({self.slot_mapping.numel()} "
+                f"q {tuple(q.shape)} does not match the plan ({self.token_rows.numel()} "
                 "tokens in one row): call plan() before the forward"
             )
-        self.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        seen = positions[0] + 1  # each query sees the row's tokens up to its own position
+        self.write(layer, self.slots(positions[0]), k[0].transpose(0, 1), v[0].transpose(0, 1))
         outs, n = [], self.num_decode
         if n:
             q_dec = q[0, :, :n].transpose(0, 1)  # [n, heads, d]
+            tables, lens = self.decode_tables, seen[:n]
             if self.use_kernel:
-                k_pool, v_pool = self.k[layer], self.v[layer]
-                out = paged_attention(q_dec, k_pool, v_pool, self.decode_tables, self.decode_lens)
+                out = paged_attention(q_dec, self.k[layer], self.v[layer], tables, lens)
             else:
-                k_rows, v_rows = self.gather(layer, self.decode_tables, q.dtype)
-                out = attend(q_dec[:, :, None], k_rows, v_rows, self.decode_lens)[:, :, 0]
+                k_rows, v_rows = self.gather(layer, tables, q.dtype)
+                out = attend(q_dec[:, :, None], k_rows, v_rows, lens)[:, :, 0]
             outs.append(out.transpose(0, 1)[None])  # [1, heads, n, d]
         offset = n
-        for table, start, length in self.chunks:
+        for table, length in self.chunks:
             q_chunk = q[:, :, offset : offset + length]
-            positions = torch.arange(start, start + length, device=q.device)
-            outs.append(attend(q_chunk, *self.gather(layer, table, q.dtype), positions[None] + 1))
+            visible = seen[None, offset : offset + length]
+            outs.append(attend(q_chunk, *self.gather(layer, table, q.dtype), visible))
             offset += length
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's k, v [N, kv_heads, d] at the planned slots (quantized, if the
-        cache is)."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's k, v [N, kv_heads, d] at `slots` (quantized, if the cache is)."""
         k_pool, v_pool = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
         if self.quant is None:
-            k_pool[self.slot_mapping] = k.to(k_pool.dtype)
-            v_pool[self.slot_mapping] = v.to(v_pool.dtype)
+            k_pool[slots] = k.to(k_pool.dtype)
+            v_pool[slots] = v.to(v_pool.dtype)
             return
         k_scales, v_scales = self.k_scale[layer].flatten(0, 1), self.v_scale[layer].flatten(0, 1)
-        k_pool[self.slot_mapping], k_scales[self.slot_mapping] = self.quant.quantize(k)
-        v_pool[self.slot_mapping], v_scales[self.slot_mapping] = self.quant.quantize(v)
+        k_pool[slots], k_scales[slots] = self.quant.quantize(k)
+        v_pool[slots], v_scales[slots] = self.quant.quantize(v)
 
     def gather(
         self, layer: int, tables: torch.Tensor, dtype: torch.dtype

@@ -76,7 +76,8 @@ class ModelRunner:
 
         All the step's tokens in one row: each one-token item's token (a decode: the last
         sampled token, at position len - 1), then each chunk's tokens at their positions. The
-        cache is told the same layout (`plan`), so it knows whose K/V each token is. Logit
+        cache is told whose each token is (`plan`: the rows' block tables, in this order);
+        where its K/V go follows from its position. Logit
         rows: first each sampled share's last token, then the prompt-logprob positions."""
         ids, positions, last, extra, wanted = [], [], [], [], []
         decode, prefill = [], []
@@ -93,9 +94,9 @@ class ModelRunner:
                 extra += [offset + p - start for p in at]
                 wanted.append((item, at))
             if n == 1:
-                decode.append((seq.block_table, start + 1))
+                decode.append(seq.block_table)
             else:
-                prefill.append((seq.block_table, start, n))
+                prefill.append((seq.block_table, n))
         self.cache.plan(decode, prefill)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor([ids]), as_tensor([positions]), as_tensor(last + extra), wanted
@@ -160,23 +161,24 @@ class ModelRunner:
         if not self.cache.use_kernel:
             need = max(len(item.seq.block_table) for item in items)
             width = min(self.max_blocks, 1 << (need - 1).bit_length())
-        decode = [(item.seq.block_table, item.start + 1) for item in items]
-        self.cache.plan_static_decode(decode, rows, width)
-        if (rows, width) not in self.graphs:
-            self.graphs[rows, width] = self._record(rows)
-        ids, positions, out, replay = self.graphs[rows, width]
+        self.cache.plan_static_decode([item.seq.block_table for item in items], rows, width)
         tokens = [item.seq.token_ids[item.start] for item in items]
-        ids.copy_(torch.tensor([tokens + [0] * (rows - n)]))
-        positions.copy_(torch.tensor([[item.start for item in items] + [0] * (rows - n)]))
+        step_ids = torch.tensor([tokens + [0] * (rows - n)])
+        step_positions = torch.tensor([[item.start for item in items] + [0] * (rows - n)])
+        if (rows, width) not in self.graphs:  # recording runs the step: on this step's inputs
+            self.graphs[rows, width] = self._record(step_ids, step_positions)
+        ids, positions, out, replay = self.graphs[rows, width]
+        ids.copy_(step_ids)
+        positions.copy_(step_positions)
         replay()
         return out[0, :n]
 
-    def _record(self, bucket: int) -> tuple:
-        """Fixed input buffers for a bucket and a function that runs the step on them: a CUDA
-        graph's replay, a compiled step, or the eager step."""
-        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-        positions = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-        rows = torch.arange(bucket, device=self.device)
+    def _record(self, first_ids: torch.Tensor, first_positions: torch.Tensor) -> tuple:
+        """Fixed input buffers for a bucket, holding the first step's inputs (recording runs
+        the step, and its K/V writes land where that step's tokens go), and a function that
+        runs the step on them: a CUDA graph's replay, a compiled step, or the eager step."""
+        ids, positions = first_ids.to(self.device), first_positions.to(self.device)
+        rows = torch.arange(ids.shape[1], device=self.device)
 
         def step() -> torch.Tensor:
             return self.model(ids, positions, cache=self.cache, logits_at=rows)

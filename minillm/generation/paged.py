@@ -44,7 +44,7 @@ def generate_paged(
     for p in prompts:
         seq = PagedSequence(list(p))
         start = manager.allocate(seq)
-        cache.plan(decode=[], prefill=[(seq.block_table, start, len(p) - start)])
+        cache.plan(decode=[], chunks=[(seq.block_table, len(p) - start)])
         ids = torch.tensor([p[start:]], device=device)
         pos = torch.arange(start, len(p), device=device)[None]
         last_logits.append(model(ids, pos, cache=cache)[0, -1])
@@ -66,7 +66,7 @@ def generate_paged(
             seq.token_ids.append(token)
             copies += manager.append_slots(seq)  # a shared last block is copied first
         cache.copy_blocks(copies)
-        cache.plan(decode=[(s.block_table, len(s)) for s in seqs], prefill=[])
+        cache.plan(decode=[s.block_table for s in seqs], chunks=[])
         positions = torch.tensor([[len(s) - 1 for s in seqs]], device=device)
         logits = model(tokens[None], positions, cache=cache)[0]
         for seq in seqs:
