@@ -12,7 +12,7 @@ onnxruntime-genai is installed.
     variants A/B interleaved; ratios to the plain loop (> 1: faster), minillm's own
     PyTorch decode (`KVCache`) among them. IOBinding five times:
     with the exporter's grouped-query attention (K/V repeated per query head, a copy of
-    the cache per step), with `grouped_attention` (no copy), with opset 23's
+    the cache per step), with `grouped_sdpa` (no copy), with opset 23's
     RMSNormalization, RotaryEmbedding and Attention nodes (`onnx_llm_ops`: half the
     nodes: 843 instead of 1791 for SmolLM2), with ORT's GroupQueryAttention node
     (`export_gqa_step(fuse=False)`: RoPE, the cache write and attention in one node a

@@ -135,3 +135,68 @@ def test_the_package_never_imports_the_benchmark_scripts() -> None:
         )
     }
     assert not scripts, f"these modules import benchmarks/ (move what they need): {sorted(scripts)}"
+
+
+def _root_name(node: ast.expr) -> str | None:
+    """'F' for `F.scaled_dot_product_attention`, 'torch' for `torch.nn.functional.x`."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _targets(node: ast.expr) -> list[ast.expr]:
+    """The assigned expressions of one target, tuples and lists unpacked."""
+    if isinstance(node, ast.Tuple | ast.List):
+        return [t for elt in node.elts for t in _targets(elt)]
+    if isinstance(node, ast.Starred):
+        return _targets(node.value)
+    return [node]
+
+
+def _patches(path: Path) -> list[str]:
+    """'file:line code' of each assignment to an attribute of an imported name (a module,
+    or a class from one), and of each `setattr(<imported name>, ...)`, anywhere in `path`."""
+    tree = ast.parse(path.read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):  # `import torch.nn.functional` binds `torch`
+            imported |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in _targets(target)]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = _targets(node.target)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            # setattr(F, "scaled_dot_product_attention", ...): the object itself is the target
+            targets = [node] if node.func.id == "setattr" else []
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Call):
+                hit = _root_name(target.args[0]) in imported
+            else:
+                hit = isinstance(target, ast.Attribute) and _root_name(target) in imported
+            if hit:
+                where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+                found.append((node.lineno, f"{where} {ast.unparse(target)}"))
+    return [hit for _, hit in sorted(found)]
+
+
+def test_nothing_patches_an_imported_module_or_class() -> None:
+    """An exporter, a kernel or a quantizer that wants its own form of the model's norm,
+    RoPE or attention asks for it through an extension point, instead of swapping a
+    process-global function (`F.scaled_dot_product_attention = ...`) or a class's method
+    (`transformer.RMSNorm.forward = ...`): while a patch is in place every other model,
+    thread and test of the process runs it too. Instance attributes (`self.x = ...`) are
+    the object's own business."""
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in _patches(path)]
+    assert not found, (
+        "these lines assign to an attribute of an imported module or class:\n  "
+        + "\n  ".join(found)
+        + "\nuse an extension point instead: `with model.using(norm=..., rope=..., "
+        "attention=...)` (minillm.model.transformer.Ops) for the model's ops, a cache's "
+        "`sdpa` (minillm.cache.protocol.SdpaCache) for the attention over cached K/V"
+    )

@@ -64,7 +64,7 @@ def test_opset_23_llm_ops_give_the_same_tokens_in_fewer_nodes(
     x = torch.tensor([prompts[0]])
     before = model(x)
     path = export_static_step(model, tmp_path / "ops.onnx", llm_ops=True)
-    with onnx_llm_ops():  # the patch is undone on the way out, even after an error
+    with onnx_llm_ops(model):  # the model's own ops again on the way out, even after an error
         with pytest.raises(ValueError, match="explicit mask"):
             model(x)
     assert torch.equal(model(x), before)

@@ -14,6 +14,7 @@ this layer sits below the model and imports nothing from it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -41,11 +42,31 @@ class Cache(Protocol):
         ...
 
 
+# (q, k, v, mask) -> out: q [B, heads, T, d] over k, v [B, kv_heads, S, d], mask [B, 1, T, S]
+SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def masked_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """PyTorch's SDPA of q over the cached k, v with a boolean mask (True = attend).
+    Grouped-query attention: each kv head serves heads / kv_heads query heads."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 class SdpaCache(ABC):
     """A cache that attends the plain PyTorch way: `update` stores this step's K/V and
     returns all of the row's K/V, `causal_mask` says which of those slots each query may
-    see, and SDPA does the rest. Subclasses write those two methods (a subclass missing
-    one cannot be instantiated)."""
+    see, and `sdpa` does the rest. Subclasses write those two methods (a subclass missing
+    one cannot be instantiated).
+
+    `sdpa` is the extension point for the attention over the stored K/V: PyTorch's SDPA
+    (`masked_sdpa`) unless the cache instance is given its own, as an exporter does for
+    the form it wants in the graph (`ConcatCache(..., sdpa=...)`, `ScatterCache(...,
+    sdpa=...)`), for that cache only, where swapping torch's function would change every
+    model in the process."""
+
+    sdpa: SdpaFn = staticmethod(masked_sdpa)
 
     @abstractmethod
     def update(
@@ -63,5 +84,4 @@ class SdpaCache(ABC):
         # The mask first: it describes what the cache held before this step's writes.
         mask = self.causal_mask(positions)  # [B, 1, T, S]: True = attend
         k_all, v_all = self.update(layer, k, v, positions)
-        # Grouped-query attention: each kv head serves heads / kv_heads query heads.
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        return self.sdpa(q, k_all, v_all, mask)

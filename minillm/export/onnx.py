@@ -56,14 +56,14 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from minillm.cache.protocol import SdpaCache
+from minillm.cache.protocol import SdpaCache, SdpaFn, masked_sdpa
 from minillm.export.onnx_checks import check_onnx
 from minillm.export.quiet import quiet
 from minillm.model.transformer import Transformer
@@ -81,14 +81,19 @@ class ConcatCache(SdpaCache):
 
     `attention_mask [B, P + T]` marks real slots (1) and padding (0): a query at slot
     P + t sees the real slots up to its own, and always itself (so a padding query's
-    softmax has a finite row instead of NaNs that would leak into later layers' V)."""
+    softmax has a finite row instead of NaNs that would leak into later layers' V).
+    `sdpa`: the attention this cache runs over its K/V (`SdpaCache.sdpa`)."""
 
     def __init__(
-        self, past_k: Sequence[torch.Tensor], past_v: Sequence[torch.Tensor], mask: torch.Tensor
+        self,
+        past_k: Sequence[torch.Tensor],
+        past_v: Sequence[torch.Tensor],
+        mask: torch.Tensor,
+        sdpa: SdpaFn = masked_sdpa,
     ) -> None:
         self.past_k, self.past_v, self.attention_mask = list(past_k), list(past_v), mask
-        self.present_k: list[torch.Tensor] = list(past_k)
-        self.present_v: list[torch.Tensor] = list(past_v)
+        self.present_k, self.present_v = list(past_k), list(past_v)  # past ++ new, per layer
+        self.sdpa = sdpa
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -219,23 +224,18 @@ def export_module(
     return path
 
 
-@contextlib.contextmanager
-def sdpa_without_gqa() -> Iterator[None]:
-    """Make `F.scaled_dot_product_attention(..., enable_gqa=True)` repeat the kv heads
-    itself: the legacy (TorchScript) exporter has no translation for `enable_gqa`."""
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def sdpa(q, k, v, *args, enable_gqa: bool = False, **kwargs):
-        if enable_gqa and k.shape[-3] != q.shape[-3]:
-            n_rep = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(n_rep, dim=-3), v.repeat_interleave(n_rep, dim=-3)
-        return original(q, k, v, *args, **kwargs)
-
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+def sdpa_without_gqa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Grouped-query SDPA, kv heads repeated up to the query heads first: the legacy
+    (TorchScript) exporter cannot translate `enable_gqa`. A model's `ops.attention` (no
+    mask: causal) or a cache's `sdpa`."""
+    if k.shape[-3] != q.shape[-3]:
+        n_rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(n_rep, dim=-3), v.repeat_interleave(n_rep, dim=-3)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None
+    )
 
 
 def export_forward(
@@ -252,7 +252,7 @@ def export_forward(
     if example_ids is None:
         example_ids = torch.zeros(2, 8, dtype=torch.long)
     # The legacy exporter cannot translate SDPA's enable_gqa: repeat the kv heads first.
-    with contextlib.nullcontext() if dynamo else sdpa_without_gqa():
+    with contextlib.nullcontext() if dynamo else model.using(attention=sdpa_without_gqa):
         export_module(
             ForwardGraph(model),
             (example_ids.to(model.lm_head.weight.device),),

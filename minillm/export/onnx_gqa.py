@@ -25,7 +25,7 @@ ScatterElements does in the static graph (ORT compares the two pointers).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ from minillm.export.onnx_gqa_fuse import fuse_gqa_graph
 from minillm.export.onnx_runtime import graph_metadata
 from minillm.export.onnx_static import LLM_OPSET, onnx_rms_norm
 from minillm.export.ort_binding import SharedBufferDecoder, kv_names
-from minillm.model import transformer
 from minillm.model.transformer import Transformer, rope_cos_sin
 
 GQA_INPUTS = ["input_ids", "seqlens_k", "total_sequence_length"]
@@ -88,16 +87,16 @@ class GqaCache:
         return out.view(B, T, H, D).transpose(1, 2)
 
 
-@contextlib.contextmanager
-def rope_in_attention() -> Iterator[None]:
-    """The model's RoPE off for the export: GroupQueryAttention applies it (`do_rotary`),
-    the rotate-half form `apply_rope` computes (`rotary_interleaved` = 0)."""
-    rope = transformer.apply_rope
-    transformer.apply_rope = lambda x, cos, sin: x
-    try:
-        yield
-    finally:
-        transformer.apply_rope = rope
+def unrotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A model's `ops.rope` that leaves q and k as they are."""
+    return x
+
+
+def rope_in_attention(model: Transformer) -> contextlib.AbstractContextManager[Transformer]:
+    """`with rope_in_attention(model):` the model's RoPE off for the export (`ops.rope`
+    `unrotated`): GroupQueryAttention applies it (`do_rotary`), the rotate-half form
+    `apply_rope` computes (`rotary_interleaved` = 0)."""
+    return model.using(rope=unrotated)
 
 
 class GqaStepGraph(nn.Module):
@@ -159,7 +158,7 @@ def export_gqa_step(model: Transformer, path: str | Path, fuse: bool = True) -> 
     d = torch.export.Dim.DYNAMIC
     kv_dims = {0: d, 2: d}
     dynamic = ({0: d, 1: d}, {0: d}, None, [(kv_dims, kv_dims)] * n)
-    with rope_in_attention(), onnx_rms_norm():
+    with rope_in_attention(model), model.using(norm=onnx_rms_norm):
         graph = GqaStepGraph(model)
         export_module(graph, example, path, inputs, outputs, dynamic, opset_version=LLM_OPSET)
     axes: dict[str, dict[int, str]] = {

@@ -18,16 +18,17 @@ skips the copy, so a step writes only the new slot (a lone ScatterElements on a
 [1, 3, 40960, 4] buffer, measured: 4 us in place, 240 us into a separate buffer).
 
 One more copy hides in attention: the exporter translates grouped-query attention by
-repeating K and V up to the number of query heads, every step. `grouped_attention`
-exports it per kv head instead. benchmarks/ort_iobinding.py times the whole decode; ORT
-GenAI does the same with its own attention op (`past_present_share_buffer`).
+repeating K and V up to the number of query heads, every step. `grouped_sdpa` (the
+cache's `sdpa`) exports it per kv head instead. benchmarks/ort_iobinding.py times the whole
+decode; ORT GenAI does the same with its own attention op (`past_present_share_buffer`).
 
 What is left of a step besides the weights is many small nodes: an RMSNorm exports as
 seven (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul: ORT's optimizer fuses the
 x / sqrt(.) form, not torch's x * rsqrt(.)), RoPE as six per tensor, attention as a
 dozen. ONNX opset 23 has an op for each of the three (RMSNormalization, RotaryEmbedding,
 Attention with grouped-query heads), the standard counterparts of the contrib ops ORT
-GenAI's builder writes; `onnx_llm_ops` exports the model with them (`llm_ops=True`).
+GenAI's builder writes; `onnx_llm_ops` exports the model with them (`llm_ops=True`), through
+the model's and the cache's extension points (`Transformer.using`, `SdpaCache.sdpa`).
 `minillm.export.onnx_gqa` goes one step further, to GenAI's own GroupQueryAttention node
 (RoPE, the cache write and attention in one), and `onnx_gqa_fuse` to GenAI's graph shape.
 Both decoders share their IOBinding code (`minillm.export.ort_binding.SharedBufferDecoder`).
@@ -36,7 +37,7 @@ Both decoders share their IOBinding code (`minillm.export.ort_binding.SharedBuff
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.cache.protocol import SdpaCache
+from minillm.cache.protocol import SdpaCache, SdpaFn, masked_sdpa
 from minillm.export.onnx import export_module, finish_graph
 from minillm.export.ort_binding import SharedBufferDecoder, kv_names
-from minillm.model import transformer
 from minillm.model.transformer import Transformer
 
 LLM_OPSET = 23  # the first opset with RMSNormalization, RotaryEmbedding and Attention
@@ -55,16 +55,18 @@ LLM_OPSET = 23  # the first opset with RMSNormalization, RotaryEmbedding and Att
 
 class ScatterCache(SdpaCache):
     """The cache protocol over fixed-size buffers that arrive as graph inputs: `update`
-    scatters the step's K/V into slots `cache_position` and returns the whole buffer."""
+    scatters the step's K/V into slots `cache_position` and returns the whole buffer;
+    `sdpa` attends over it (`SdpaCache.sdpa`: `grouped_sdpa`, `onnx_attention`)."""
 
     def __init__(
         self,
         past: Sequence[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor,
         cache_position: torch.Tensor,
+        sdpa: SdpaFn = masked_sdpa,
     ) -> None:
         self.present = [list(kv) for kv in past]
-        self.attention_mask, self.cache_position = mask, cache_position
+        self.attention_mask, self.cache_position, self.sdpa = mask, cache_position, sdpa
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -85,97 +87,72 @@ class ScatterCache(SdpaCache):
         return ((slots[None, :] <= own) & real) | (slots[None, :] == own)
 
 
-@contextlib.contextmanager
-def grouped_attention() -> Iterator[None]:
-    """Export `F.scaled_dot_product_attention(..., enable_gqa=True)` as attention per kv
-    head with its query heads stacked, instead of the exporter's translation, which first
-    repeats K and V up to the query heads: a copy of the whole cache per layer per step.
+def grouped_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """A cache's `sdpa` that exports grouped-query attention as attention per kv head with
+    its query heads stacked, instead of the exporter's translation of `enable_gqa=True`,
+    which first repeats K and V up to the query heads: a copy of the whole cache per layer
+    per step.
 
     Query head h = g * n_rep + r uses kv head g, so q [B, H, T, d] viewed as
     [B, kv_heads, n_rep * T, d] puts every query of kv head g against K[:, g] once."""
-    original = F.scaled_dot_product_attention
-
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is None or is_causal or dropout_p or attn_mask.dtype != torch.bool:
-            raise ValueError("grouped_attention exports the cached step: a boolean mask only")
-        B, H, T, D = q.shape
-        groups = k.shape[1]
-        rep = H // groups
-        qg = q.reshape(B, groups, rep * T, D)
-        mask = attn_mask.unsqueeze(2).expand(B, 1, rep, T, -1).reshape(B, 1, rep * T, -1)
-        scores = (qg @ k.transpose(-1, -2)) * (scale or D**-0.5)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        # P.V with V broadcast over its query heads rather than one [rep * T, S] @ [S, D]
-        # product: at decode (T = 1) each is a matrix-vector product, which ORT's MLAS runs
-        # straight from V, where a product with several rows first packs V into a scratch
-        # copy (30 layers at 2064 slots: 2.7 ms instead of 4.5, benchmarks/ort_iobinding).
-        out = probs.reshape(B, groups, rep, T, -1) @ v.unsqueeze(2)
-        return out.reshape(B, H, T, D)
-
-    F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
+    if mask is None or mask.dtype != torch.bool:
+        raise ValueError("grouped_sdpa exports the cached step: a boolean mask only")
+    B, H, T, D = q.shape
+    groups = k.shape[1]
+    rep = H // groups
+    qg = q.reshape(B, groups, rep * T, D)
+    mask = mask.unsqueeze(2).expand(B, 1, rep, T, -1).reshape(B, 1, rep * T, -1)
+    scores = (qg @ k.transpose(-1, -2)) * D**-0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    # P.V with V broadcast over its query heads rather than one [rep * T, S] @ [S, D]
+    # product: at decode (T = 1) each is a matrix-vector product, which ORT's MLAS runs
+    # straight from V, where a product with several rows first packs V into a scratch
+    # copy (30 layers at 2064 slots: 2.7 ms instead of 4.5, benchmarks/ort_iobinding).
+    out = probs.reshape(B, groups, rep, T, -1) @ v.unsqueeze(2)
+    return out.reshape(B, H, T, D)
 
 
-@contextlib.contextmanager
-def onnx_rms_norm() -> Iterator[None]:
-    """Export each RMSNorm as one opset-23 RMSNormalization node (`F.rms_norm`) instead of
-    the seven elementary ops torch's x * rsqrt(.) form becomes."""
-    norm = transformer.RMSNorm.forward
-
-    def rms_norm(self: transformer.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    transformer.RMSNorm.forward = rms_norm
-    try:
-        yield
-    finally:
-        transformer.RMSNorm.forward = norm
+def onnx_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's `ops.norm` as one opset-23 RMSNormalization node (`F.rms_norm`) instead
+    of the seven elementary ops torch's x * rsqrt(.) form becomes."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-@contextlib.contextmanager
-def onnx_llm_ops() -> Iterator[None]:
-    """Export the model's RMSNorm, RoPE and attention as single opset-23 nodes
-    (RMSNormalization, RotaryEmbedding, Attention) instead of the elementary ops they are
-    written in. `torch.onnx.ops` gives each a PyTorch reference the trace runs, so the
-    exported graph computes what the model computes (tests/test_onnx_static.py)."""
-    rope, sdpa = transformer.apply_rope, F.scaled_dot_product_attention
+def onnx_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The model's `ops.rope` as one opset-23 RotaryEmbedding node."""
+    half = cos.shape[-1] // 2  # the tables repeat each angle for channels i and i + d/2
+    return torch.onnx.ops.rotary_embedding(x, cos[..., :half], sin[..., :half])
 
-    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = cos.shape[-1] // 2  # the tables repeat each angle for channels i and i + d/2
-        return torch.onnx.ops.rotary_embedding(x, cos[..., :half], sin[..., :half])
 
-    def attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,  # ONNX Attention groups by q/kv_num_heads either way
-    ) -> torch.Tensor:
-        if dropout_p or is_causal:
-            raise ValueError("onnx_llm_ops exports the cached step: an explicit mask only")
-        heads = {"q_num_heads": q.shape[1], "kv_num_heads": k.shape[1]}
-        return torch.onnx.ops.attention(q, k, v, attn_mask, scale=scale, **heads)[0]
+def onnx_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """A cache's `sdpa` (and the model's `ops.attention`) as one opset-23 Attention node,
+    grouped by q/kv_num_heads natively."""
+    if mask is None:
+        raise ValueError("onnx_llm_ops exports the cached step: an explicit mask only")
+    heads = {"q_num_heads": q.shape[1], "kv_num_heads": k.shape[1]}
+    return torch.onnx.ops.attention(q, k, v, mask, **heads)[0]
 
-    transformer.apply_rope, F.scaled_dot_product_attention = apply_rope, attention
-    try:
-        with onnx_rms_norm():
-            yield
-    finally:
-        transformer.apply_rope, F.scaled_dot_product_attention = rope, sdpa
+
+def onnx_llm_ops(model: Transformer) -> contextlib.AbstractContextManager[Transformer]:
+    """`with onnx_llm_ops(model):` the model's RMSNorm, RoPE and attention as single
+    opset-23 nodes (RMSNormalization, RotaryEmbedding, Attention) instead of the elementary
+    ops they are written in (the cache's attention is its `sdpa`: give it `onnx_attention`,
+    as `export_static_step` does).
+    `torch.onnx.ops` gives each a PyTorch reference the trace runs, so the exported graph
+    computes what the model computes (tests/test_onnx_static.py)."""
+    return model.using(norm=onnx_rms_norm, rope=onnx_rope, attention=onnx_attention)
 
 
 class StaticStepGraph(nn.Module):
     """(ids, positions, attention_mask, cache_position, cache buffers) -> (logits, buffers)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, sdpa: SdpaFn = masked_sdpa) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.sdpa = model, sdpa  # sdpa: the cache's attention (`ScatterCache`)
 
     def forward(
         self,
@@ -185,7 +162,7 @@ class StaticStepGraph(nn.Module):
         cache_position: torch.Tensor,
         past: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, ...]:
-        cache = ScatterCache(past, attention_mask, cache_position)
+        cache = ScatterCache(past, attention_mask, cache_position, self.sdpa)
         logits = self.model(input_ids, position_ids, cache=cache)
         return (logits, *(t for kv in cache.present for t in kv))
 
@@ -202,7 +179,7 @@ def export_static_step(
 ) -> Path:
     """Export the static-cache decoder step with dynamic batch, sequence and
     max_sequence axes (checked by `check_onnx`); `grouped`: attention per kv head
-    (`grouped_attention`), no repeated copy of K/V; `llm_ops`: opset 23's RMSNormalization,
+    (`grouped_sdpa`), no repeated copy of K/V; `llm_ops`: opset 23's RMSNormalization,
     RotaryEmbedding and Attention (`onnx_llm_ops`; its Attention is grouped natively)."""
     cfg, n = model.config, model.config.num_hidden_layers
     inputs, outputs = static_names(n)
@@ -222,12 +199,13 @@ def export_static_step(
     d = torch.export.Dim.DYNAMIC
     kv_dims = {0: d, 2: d}
     dynamic = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, {0: d}, [(kv_dims, kv_dims)] * n)
+    context, sdpa, opset = contextlib.nullcontext(), masked_sdpa, None
     if llm_ops:
-        context, opset = onnx_llm_ops(), LLM_OPSET
-    else:
-        context, opset = grouped_attention() if grouped else contextlib.nullcontext(), None
+        context, sdpa, opset = onnx_llm_ops(model), onnx_attention, LLM_OPSET
+    elif grouped:
+        sdpa = grouped_sdpa
     with context:
-        graph = StaticStepGraph(model)
+        graph = StaticStepGraph(model, sdpa)
         export_module(graph, example, path, inputs, outputs, dynamic, opset_version=opset)
     axes: dict[str, dict[int, str]] = {
         "input_ids": {0: "batch", 1: "sequence"},

@@ -6,12 +6,18 @@ match Hugging Face's, so an HF checkpoint loads with a plain `load_state_dict`.
 
 The forward pass takes token ids *and* their positions: chapter 02 adds a KV
 cache by passing positions that continue where the prompt stopped.
+
+The norm, RoPE and no-cache attention are plain functions (`rms_norm`, `apply_rope`,
+`causal_attention`) that the layers take from `Transformer.ops`: an exporter, a kernel or a
+quantizer gives one model its own form of one of them with `model.using(...)` (`Ops`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -20,19 +26,30 @@ from torch import nn
 from minillm.cache.protocol import Cache
 from minillm.model.config import ModelConfig
 
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps)
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, cos, sin)
+AttentionFn = Callable[  # (q, k, v, mask): mask None = causal
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, computed in fp32 as Llama does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 as Llama does."""
+    """The norm's weight and eps; `norm` is the math that uses them (`Ops.norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, norm: NormFn = rms_norm) -> torch.Tensor:
+        return norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -69,6 +86,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of q [B, heads, T, d] over the same T tokens' k, v [B, kv_heads, T, d], no
+    cache: causal, or following `mask` (bool [B, 1, T, T], True = attend). Grouped-query:
+    each kv head serves heads / kv_heads query heads."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The model's extension point: the three ops whose form the rest of the stack may want
+    to choose. An exporter writes a norm as one ONNX node or leaves RoPE to the attention
+    node, a kernel brings its own attention, a quantizer its own norm: each gives the model
+    its form with `model.using(norm=..., rope=..., attention=...)`, for that model only and
+    only inside the `with`, where patching this module or torch would change every model in
+    the process. The attention over a KV cache is not here: that is the cache's
+    (`Cache.attention`; `SdpaCache.sdpa`)."""
+
+    norm: NormFn = rms_norm  # (x, weight, eps) -> x normalised
+    rope: RopeFn = apply_rope  # (x [B, H, T, d], cos, sin) -> x rotated
+    attention: AttentionFn = causal_attention  # no cache: (q, k, v, mask or None = causal)
+
+
+DEFAULT_OPS = Ops()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -97,19 +143,18 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: Cache | None,
+        ops: Ops = DEFAULT_OPS,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         if cache is not None:  # the cache stores k, v and attends over all it holds
             out = cache.attention(self.layer_idx, q, k, v, positions)
-        else:  # grouped-query attention: each kv head serves n_heads / n_kv_heads query heads
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-            )
+        else:
+            out = ops.attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -137,9 +182,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, cos, sin, mask, cache, ops: Ops = DEFAULT_OPS):
+        # ops: the model's (`Transformer.ops`); the default lets a quantizer run one block alone
+        h = normed(self.input_layernorm, x, ops)
+        x = x + self.self_attn(h, positions, cos, sin, mask, cache, ops)
+        return x + self.mlp(normed(self.post_attention_layernorm, x, ops))
+
+
+def normed(norm: nn.Module, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """`norm(x)` in the form `ops.norm` gives; a norm module of another kind (chapter 04's
+    weight-folded `ScaleFreeRMSNorm`) computes its own."""
+    return norm(x, ops.norm) if isinstance(norm, RMSNorm) else norm(x)
 
 
 class Decoder(nn.Module):
@@ -163,6 +216,20 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.ops = Ops()
+
+    @contextlib.contextmanager
+    def using(self, **changes: Callable[..., torch.Tensor]) -> Iterator[Transformer]:
+        """`with model.using(rope=...):` this model runs with those of its `ops` replaced
+        (fields of `Ops`: norm, rope, attention), and its own again on the way out, after
+        an error too. Nothing global changes: every other model keeps its ops (this one's
+        are swapped for whatever runs it inside the `with`)."""
+        before = self.ops
+        self.ops = dataclasses.replace(before, **changes)
+        try:
+            yield self
+        finally:
+            self.ops = before
 
     def forward(
         self,
@@ -186,12 +253,12 @@ class Transformer(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = positions.expand(input_ids.shape[0], -1)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
-        x = self.model.embed_tokens(input_ids)
+        x, ops = self.model.embed_tokens(input_ids), self.ops
         for layer in self.model.layers:
-            x = layer(x, positions, cos, sin, mask, cache)
+            x = layer(x, positions, cos, sin, mask, cache, ops)
         if logits_at is not None:
             x = x[:, logits_at]
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(normed(self.model.norm, x, ops))
 
     def _apply(
         self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
