@@ -64,11 +64,12 @@ course: $(STAMP)
 	  $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # One pytest run over tests/ and the notebooks (nbval re-executes each .ipynb, compares only
-# cells marked NBVAL_CHECK_OUTPUT), so there is one summary line.
+# cells marked NBVAL_CHECK_OUTPUT), so there is one summary line; the 30 slowest tests and
+# notebook cells are listed after it, to show where CI's time goes.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(TEST_ENV) $(BIN)/pytest -q tests $(NOTEBOOKS) --nbval-lax --nbval-current-env
+	$(TEST_ENV) $(BIN)/pytest -q tests $(NOTEBOOKS) --nbval-lax --nbval-current-env --durations=30
 
 # The committed outputs: each notebook run top to bottom with the reference solutions, then
 # tidied (no widget progress bars, no timestamps) by notebooks/save.py.
