@@ -21,6 +21,7 @@ from minillm.generation.static import compile_decode_step
 from minillm.lab import time_ratios
 from minillm.lab.timing import kernel_time_ms
 from minillm.model import ModelConfig, Transformer, load_tokenizer, random_model, save_model
+from minillm.model.weights import resolve_dtype
 from minillm.training import first_divergence
 
 TINY = dict(
@@ -312,7 +313,9 @@ def notebooks(run) -> dict[str, Any]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    checks.append(check("08: LLM(dtype='auto') runs in bf16 on a GPU", run.cpu or "bf" in dtype))
+    want = "" if run.cpu else str(resolve_dtype("auto", run.device))  # bf16 from sm80, else fp16
+    label = f"08: LLM(dtype='auto') runs in {want or 'the GPU default'}"
+    checks.append(check(label, run.cpu or dtype == want))
 
     def compare(*backends: str) -> dict[str, Any]:
         return trt_bench.compare_backends(load_model(), backends=backends)

@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--quick: 256). 1024 on SmolLM2 takes most of an hour (the naive loop)",
     )
     ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), ...")
+    ap.add_argument("--dtype", default="auto", help="auto (GPU: bf16, T4: fp16; CPU: fp32), ...")
     ap.add_argument(
         "--roofline",
         action="store_true",

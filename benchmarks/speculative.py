@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = report.parser(__doc__, quick="fewer k and repeats, no part (c)")
     ap.add_argument("--model", default="smollm2", help="smollm2 (prompt lookup) or bundled")
     ap.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), ...")
+    ap.add_argument("--dtype", default="auto", help="auto (GPU: bf16, T4: fp16; CPU: fp32), ...")
     args = ap.parse_args(argv)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

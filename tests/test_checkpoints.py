@@ -77,6 +77,22 @@ def test_dtype_and_tied_weights_after_load(checkpoint):
     assert not model.training
 
 
+@pytest.mark.parametrize(
+    "capability, expected",
+    [((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)],
+)
+def test_auto_dtype_is_bf16_only_where_the_gpu_has_it(monkeypatch, capability, expected):
+    """A T4 (7.5) has no bf16 tensor cores: "auto" gives it fp16; an A100 or H100, bf16.
+    The capability is faked, so this runs on a CPU; the CPU itself stays fp32."""
+    from minillm.model.weights import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_dtype("auto", "cuda") == expected
+    assert resolve_dtype("auto", "cuda:0") == expected
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("float32", "cuda") == torch.float32  # an explicit name wins
+
+
 def test_hub_id_downloads_only_config_tokenizer_and_safetensors(checkpoint, monkeypatch):
     import huggingface_hub
 

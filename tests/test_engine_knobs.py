@@ -49,6 +49,25 @@ def test_without_an_engine_seed_unseeded_requests_vary(model, tok):
     assert len(runs) > 1
 
 
+# ------------------------------------------------------------------ dtype
+def test_the_engine_runs_in_fp16(model, tok):
+    """fp16 is "auto" on a T4: the engine's paged cache and sampling take it, and a request
+    run alone gets `generate`'s greedy tokens on the same fp16 model. (Batched, fp16's
+    rounding differs with the batch's shapes, so near-ties may break the other way: the
+    batching invariance is tested in fp32.)"""
+    import copy
+
+    from minillm import generate
+
+    half = copy.deepcopy(model).half()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for prompt in PROMPTS:
+        engine = Engine(half, tok, block_size=4)
+        assert engine.runner.cache.k[0].dtype == torch.float16
+        expected = generate(half, [tok.encode(prompt)], params)[0]
+        assert sample(engine, [prompt], params) == [expected], prompt
+
+
 # ------------------------------------------------------------------ pool sizing, pure
 @pytest.mark.parametrize(
     "dtype,kv_cache_dtype",

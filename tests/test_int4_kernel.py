@@ -71,3 +71,16 @@ def test_int4_kernel_rejects_bad_shapes_with_the_fix():
         int4_matmul(x[None], qw)
     with pytest.raises(ValueError, match="must divide group_size"):
         int4_matmul(x, qw, block_k=48)
+
+
+@pytest.mark.parametrize("m", [1, 8])  # the GEMV kernel and the tensor-core tiles
+def test_int4_kernel_runs_in_fp16(m):
+    """fp16 activations (a T4's dtype): fp16 out, as close to the fp32 product as fp16
+    rounding of x and of the result allows."""
+    from minillm.kernels.int4_matmul import int4_matmul, int4_matmul_reference
+
+    x, qw = case(m, 48, 128, 32, False)
+    got = int4_matmul(x.half(), qw)
+    ref = int4_matmul_reference(x.half().float(), qw)
+    assert got.dtype == torch.float16
+    assert torch.allclose(got.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())

@@ -134,6 +134,26 @@ def test_flash_prefill_matches_causal_sdpa(B, heads, kv_heads, T, D, block):
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
+def test_the_kernels_run_in_fp16():
+    """fp16 is the dtype on a T4 (no bf16 tensor cores), so both kernels must take it:
+    fp16 inputs, fp32 accumulation inside, fp16 out, as close to fp32 SDPA as fp16 allows."""
+    from minillm.kernels.flash_prefill import flash_prefill
+    from minillm.kernels.paged_attention import paged_attention
+
+    q, k_pool, v_pool, tables, lens, k, v = paged_case([9, 30], 6, 2, 16, 8, seed=5)
+    half = [x.half() for x in (q, k_pool, v_pool)]
+    out = paged_attention(half[0], half[1], half[2], tables, lens, num_splits=2)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), dense_decode(q, k, v, lens), atol=2e-3, rtol=0)
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 21, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = flash_prefill(q.half(), k.half(), v.half(), block_m=16, block_n=16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
+
+
 def test_flash_prefill_rejects_bad_tiles():
     from minillm.kernels.flash_prefill import flash_prefill
 

@@ -106,8 +106,8 @@ def compare_hf(
 ) -> dict[str, Any]:
     """`new_tokens` greedy tokens (EOS disabled on both sides) from `prompt_ids`: time of
     transformers' generate (use_cache=True, and False) relative to minillm's generate, on
-    model `name` (None: the bundled model) in `dtype` on `device` ("auto": bf16 on a GPU,
-    fp32 on a CPU). `layout` (default: on a CPU) adds minillm with `decode_layout`, the
+    model `name` (None: the bundled model) in `dtype` on `device` ("auto": bf16 on a GPU, fp16
+    on a T4, fp32 on a CPU). `layout` (default: on a CPU) adds minillm with `decode_layout`, the
     weights stored [in, out] for the matrix-vector products of decode."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging

@@ -63,7 +63,7 @@ class LLM:
         )
         self.model_name = model or "minillm-bundled"
         self.tokenizer = load_tokenizer(model)
-        # dtype "auto": bf16 on a GPU, fp32 on a CPU (vLLM's "auto" reads the checkpoint)
+        # dtype "auto": bf16 (T4: fp16) on a GPU, fp32 on a CPU (vLLM reads the checkpoint)
         weights = load_model(model, dtype=dtype, device=device or "auto")
         self.engine = Engine(weights, self.tokenizer, config)
 

@@ -123,11 +123,17 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
-    """ "auto" (or None): bf16 on a GPU (what serving engines run), fp32 on a CPU (where bf16
-    matmuls are slow and the course compares against fp32 references). Or a name such as
-    "bfloat16" / "float16" / "float32", or a torch dtype."""
+    """ "auto" (or None): on a GPU, bf16 where it has bf16 tensor cores (compute capability
+    8.0 and up: A100, L4, H100, what serving engines run) and fp16 below (a T4, 7.5, has
+    none: bf16 matmuls are emulated there and Triton's bf16 dots do not compile); fp32 on a
+    CPU (where half-precision matmuls are slow and the course compares against fp32
+    references). Or a name such as "bfloat16" / "float16" / "float32", or a torch dtype."""
     if dtype in (None, "auto"):
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        device = torch.device(device)
+        if device.type != "cuda":
+            return torch.float32
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16}
