@@ -65,11 +65,16 @@ course: $(STAMP)
 
 # One pytest run over tests/ and the notebooks (nbval re-executes each .ipynb, compares only
 # cells marked NBVAL_CHECK_OUTPUT), so there is one summary line; the 30 slowest tests and
-# notebook cells are listed after it, to show where CI's time goes.
+# notebook cells are listed after it, to show where CI's time goes. Every test and notebook
+# runs on one torch thread, so two pytest-xdist workers use both cores of a small machine;
+# --dist loadscope keeps a notebook's cells (and a test module's tests) on one worker, in
+# order. WORKERS=0 runs everything in this process (easier to debug).
+WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(TEST_ENV) $(BIN)/pytest -q tests $(NOTEBOOKS) --nbval-lax --nbval-current-env --durations=30
+	$(TEST_ENV) $(BIN)/pytest -q tests $(NOTEBOOKS) --nbval-lax --nbval-current-env \
+	  -n $(WORKERS) --dist loadscope --durations=30
 
 # The committed outputs: each notebook run top to bottom with the reference solutions, then
 # tidied (no widget progress bars, no timestamps) by notebooks/save.py.
