@@ -10,6 +10,7 @@
 #                            well unrun (notebooks/save.py)
 #   make lint | format       ruff check / ruff fix + format
 #   make gpu-check           GPU machine: check the GPU half (own python3; benchmarks/results/)
+#   make colab-check NB=06   a fresh Colab runtime, simulated: first cell, then the notebook
 #   make clean               delete .venv and caches
 #
 # GPU machines (Linux x86_64, CUDA 13 driver): see the README's GPU steps; with make it is
@@ -36,7 +37,7 @@ REQS := $(if $(GPU),requirements-gpu.txt,requirements.txt)
 TEST_ENV := MINILLM_IMPL=solutions HF_HUB_OFFLINE=1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv course test grade notebooks lint format clean gpu-check
+.PHONY: help venv course test grade notebooks lint format clean gpu-check colab-check
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -75,6 +76,13 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(BIN)/pytest -q tests $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 	  -n $(WORKERS) --dist loadscope --durations=30
+
+# A fresh Colab runtime, simulated: a new venv with only what Colab ships (torch, IPython,
+# matplotlib, pandas, pytest, tqdm, ipywidgets), google.colab stubbed, a notebook's first
+# cell run as written against a clone of this tree, then the notebook top to bottom on the
+# CPU. NB=06 (default: 06 08); about 2 minutes of set-up, then each notebook's own time.
+colab-check: $(STAMP)
+	$(BIN)/python tests/colab_check.py $(or $(NB),06 08)
 
 # The committed outputs: each notebook run top to bottom with the reference solutions, then
 # tidied (no widget progress bars, no timestamps) by notebooks/save.py.

@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 import platform
-import re
 import subprocess
 from importlib import metadata
-from pathlib import Path
 
 import torch
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parent.parent
-# What each chapter needs beyond the CPU stack, and what skips without it.
-CHAPTERS = {
-    "01 inference vs training": None,
-    "02 KV cache": None,
-    "03 ONNX": "ONNX Runtime CUDA provider timings",
-    "04 TensorRT": "torch-tensorrt and ORT TensorRT/CUDA providers",
-    "05 torch.compile": "CUDA graphs (mode='reduce-overhead')",
-    "06 quantization": "compiled Triton kernel and bitsandbytes GPU timings",
-    "07 PagedAttention": "compiled Triton kernels and bandwidth benchmarks",
-    "08 continuous batching": "vLLM comparison",
-    "09 choosing a stack": "vLLM and TensorRT rows",
-    "10 FAQ lab": None,
-}
+from minillm.course import CHAPTERS, GPU_BUILDS, REPO, requirement_lines
 
 
 def requirements(name: str) -> list[Requirement]:
     """Parse a requirements file of the repository (comments and options skipped)."""
-    path = REPO / name
-    if not path.exists():
-        return []
-    lines = (re.sub(r"\s+#.*", "", line).strip() for line in path.read_text().splitlines())
-    return [Requirement(line) for line in lines if line and not line.startswith(("#", "-"))]
+    return [Requirement(line) for line in requirement_lines(REPO / name)]
 
 
 def _installed(name: str) -> bool:
@@ -115,8 +96,9 @@ def device_lines() -> tuple[str, list[str]]:
 def main() -> int:
     """Print the report; exit status 1 if a required (CPU-stack) package fails."""
     reqs = requirements("requirements.txt")
-    if _installed("onnxruntime-gpu"):  # the GPU build replaces the CPU one (same module)
-        reqs = [r for r in reqs if r.name != "onnxruntime"]
+    # A GPU build (onnxruntime-gpu) replaces its CPU build: the two install the same module.
+    replaced = {cpu for cpu, gpu in GPU_BUILDS.items() if _installed(gpu)}
+    reqs = [r for r in reqs if r.name not in replaced]
     failures = 0
     print("== packages (requirements.txt) ==")
     if not reqs:
@@ -142,15 +124,20 @@ def main() -> int:
             print(line if ok or kind == "cuda" else f"SKIP {req.name:<16} (GPU only)")
     print("== device ==")
     print("\n".join(lines))
-    print("== chapters ==")
-    for chapter, gpu_part in CHAPTERS.items():
-        written = any((REPO / "notebooks").glob(f"{chapter[:2]}_*.ipynb"))
-        if not written:
+    print("== chapters (minillm/course.py) ==")
+    for number, spec in CHAPTERS.items():
+        chapter = f"{number:02d} {spec.title}"
+        needs = (*spec.pip, *spec.models, *spec.corpora)
+        missing = [n for n in needs if not (_installed(n) or _installed(GPU_BUILDS.get(n, n)))]
+        if not any((REPO / "notebooks").glob(f"{number:02d}_*.ipynb")):
             print(f"--     {chapter}: notebook not in this checkout yet")
-        elif gpu_part is None or kind == "cuda":
+        elif missing:
+            fix = f"python minillm/course.py {number}"
+            print(f"FAIL   {chapter}: {', '.join(missing)} not installed: {fix}")
+        elif spec.gpu_skips is None or kind == "cuda":
             print(f"full   {chapter}")
         else:
-            print(f"CPU    {chapter}: skips {gpu_part}")
+            print(f"CPU    {chapter}: skips {spec.gpu_skips}")
     print(
         "all required packages OK"
         if not failures

@@ -452,7 +452,10 @@ def test_health_stays_fast_while_maximal_requests_are_handled():
         proc.wait(timeout=30)
     assert [r.status_code for r in out] == [400] * 6 + [200] * 3
     assert len(out[-1].json()["choices"][0]["logprobs"]["tokens"]) == 256
-    assert len(latencies) > 10 and max(latencies) < 0.1, sorted(latencies)[-5:]
+    # A loop blocked by this work (tokenizing, JSON, logprobs on the event loop) stalls a
+    # probe for 0.9-1.6 s; on a busy 2-core machine (two test workers beside the server)
+    # the OS scheduler alone delays one now and then by up to ~0.2 s.
+    assert len(latencies) > 10 and max(latencies) < 0.3, sorted(latencies)[-5:]
     print(
         f"\n/health under maximal requests: {len(latencies)} probes, "
         f"max {1000 * max(latencies):.0f} ms"
