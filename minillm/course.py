@@ -1,15 +1,11 @@
 """What each chapter of the course installs, declared once, and the set-up that installs it.
 
-Each notebook's first cell used to carry its own ~35-line copy of the install code with a
-hand-kept package list, and the copies drifted: a chapter without its model, another without
-its corpus. Now the first cell runs this file on Colab (`%run minillm/minillm/course.py 6`),
-and `minillm doctor` and tests/test_course_setup.py read the same `CHAPTERS`.
-
-Standard library only, on purpose: this file runs by file path on a fresh runtime BEFORE
-minillm is installed (it is what installs it), so it imports nothing from minillm and nothing
-third-party. It holds names, not versions: each name's pin is read from requirements.txt
-(requirements-gpu.txt first, on a GPU runtime) or, for the packages installed with
---no-deps, from requirements-nodeps.txt, so that every pin stays written in one place.
+On Colab each notebook's first cell runs this file (`%run minillm/minillm/course.py 6`);
+`minillm doctor` and tests/test_course_setup.py read the same `CHAPTERS`. Standard library
+only, on purpose: it runs by file path BEFORE minillm is installed (it is what installs it).
+It holds names, not versions: each pin is read from requirements.txt (requirements-gpu.txt
+first on a GPU runtime; requirements-nodeps.txt for --no-deps packages), so every pin stays
+written in one place.
 
     python minillm/course.py 6 [--gpu | --no-gpu] [--vllm] [--dry-run]
 """
@@ -30,12 +26,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 COURSE_PY = Path(__file__).resolve()
+REPO = COURSE_PY.parent.parent
 
-# Colab's runtime ships these distributions (with their own dependencies): set-up installs
-# none of them, and torch above all stays Colab's own CUDA build, which matches Colab's
-# driver (the course's pinned torch 2.13.0 is a CUDA 13 build that needs driver >= 580).
+# What Colab ships (with its dependencies): set-up installs none of it. Above all torch stays
+# Colab's CUDA build, made for its driver (the pinned torch 2.13.0 needs driver >= 580).
 COLAB_SHIPPED = frozenset(
     {"torch", "ipython", "matplotlib", "pandas", "pytest", "tqdm", "ipywidgets"}
 )
@@ -86,9 +81,7 @@ CHAPTERS: dict[int, Chapter] = {
         gpu_skips="torch-tensorrt and ORT TensorRT/CUDA providers",
     ),
     5: Chapter(
-        "torch.compile",
-        models=(SMOLLM2,),
-        gpu_skips="CUDA graphs (mode='reduce-overhead')",
+        "torch.compile", models=(SMOLLM2,), gpu_skips="CUDA graphs (mode='reduce-overhead')"
     ),
     6: Chapter(
         "quantization",
@@ -97,13 +90,10 @@ CHAPTERS: dict[int, Chapter] = {
         corpora=(KJV, FACTBOOK),
         gpu_skips="compiled Triton kernel and bitsandbytes GPU timings",
     ),
-    7: Chapter(
-        "PagedAttention",
-        gpu_skips="compiled Triton kernels and bandwidth benchmarks",
-    ),
+    7: Chapter("PagedAttention", gpu_skips="compiled Triton kernels and bandwidth benchmarks"),
     8: Chapter(
         "continuous batching",
-        pip=(*SERVING, "openai"),  # the official client, against minillm's server
+        pip=(*SERVING, "openai"),
         models=(SMOLLM2,),
         corpora=(KJV,),
         vllm=True,
@@ -150,32 +140,26 @@ def pins(*paths: Path) -> dict[str, str]:
 
 
 def index_options(path: Path) -> list[str]:
-    """The package indexes a requirements file adds: requirements-gpu.txt names NVIDIA's,
-    where TensorRT's libraries are (the PyPI packages are stubs)."""
-    if not path.exists():
-        return []
-    words = [line.split("#")[0].split() for line in path.read_text().splitlines()]
+    """The indexes a requirements file adds (NVIDIA's, for TensorRT's libraries)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    words = [line.split("#")[0].split() for line in lines]
     return [w for line in words if line[:1] == ["--extra-index-url"] for w in line[:2]]
 
 
 def installed_version(name: str) -> str | None:
     """The version of an installed distribution in this interpreter, or None."""
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+    found = [d.version for d in metadata.distributions(name=name)]
+    return found[0] if found else None
 
 
 def has_nvidia_gpu() -> bool:
     """Whether nvidia-smi lists a GPU: asked without torch, which may not be installed yet."""
     smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False
     try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        out = smi and subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
-    return out.returncode == 0 and "GPU" in out.stdout
+    return bool(out) and out.returncode == 0 and "GPU" in out.stdout
 
 
 @dataclass(frozen=True)
@@ -198,10 +182,6 @@ def _pinned(table: dict[str, str], name: str, files: str) -> str:
         ) from None
 
 
-def _minor(version: str) -> tuple[str, ...]:
-    return tuple(version.split("+")[0].split(".")[:2])
-
-
 def _typed(command: str) -> str:
     """A shell command as typed where set-up runs: in a notebook cell, with IPython's `!`."""
     return f"!{command}" if "IPython" in sys.modules else command
@@ -209,9 +189,7 @@ def _typed(command: str) -> str:
 
 def _enable(chapter: int, flag: str) -> str:
     """The one line that runs set-up again with `flag`, as typed where set-up runs."""
-    if "IPython" in sys.modules:
-        return f"%run {COURSE_PY} {chapter} {flag}"
-    return f"python {COURSE_PY} {chapter} {flag}"
+    return f"{'%run' if 'IPython' in sys.modules else 'python'} {COURSE_PY} {chapter} {flag}"
 
 
 def plan(
@@ -228,8 +206,8 @@ def plan(
     if chapter not in CHAPTERS:
         raise ValueError(f"no chapter {chapter}: the course's chapters are {sorted(CHAPTERS)}")
     spec = CHAPTERS[chapter]
-    offered = sorted(n for n, c in CHAPTERS.items() if c.vllm)
     if vllm and not spec.vllm:
+        offered = sorted(n for n, c in CHAPTERS.items() if c.vllm)
         raise ValueError(f"chapter {chapter:02d} has no vLLM cells: vLLM is for chapters {offered}")
     if vllm and not gpu:
         raise ValueError(
@@ -244,9 +222,10 @@ def plan(
     if gpu:
         names = [GPU_BUILDS.get(n, n) for n in names]
         torch_pin = _pinned(table, "torch", where)
-        wanted = torch_pin.partition("==")[2]
+        ours = (torch_version or "").split("+")[0].split(".")[:2]  # torch-tensorrt's minor?
+        same_torch = ours == torch_pin.partition("==")[2].split(".")[:2]
         for name in spec.gpu:
-            if name != TENSORRT or (torch_version and _minor(torch_version) == _minor(wanted)):
+            if name != TENSORRT or same_torch:
                 names.append(name)
                 continue
             requirement = _pinned(table, name, where)
@@ -260,29 +239,21 @@ def plan(
             names.append(VLLM)
         elif spec.vllm:
             skipped.append(
-                f"skipped vLLM (chapter {chapter:02d}'s vLLM cells): it takes several minutes "
-                f"to install and brings its own torch ({_pinned(table, VLLM, where)} pins "
-                f"{torch_pin}, a CUDA 13 build that needs NVIDIA driver >= 580) in place of "
-                f"this runtime's. To add it: {_enable(chapter, '--vllm')}, then restart the "
-                "session"
+                f"skipped vLLM (chapter {chapter:02d}'s vLLM cells): several minutes to install, "
+                f"and {_pinned(table, VLLM, where)} brings {torch_pin} (CUDA 13, driver >= 580) "
+                f"in place of this runtime's torch. To add it: {_enable(chapter, '--vllm')}"
             )
     else:
+        where_gpu = "no GPU here; on a GPU runtime (Runtime > Change runtime type)"
         if spec.gpu:
-            skipped.append(
-                f"skipped the GPU-only {', '.join(spec.gpu)}: no GPU here. On a GPU runtime "
-                "(Runtime > Change runtime type) this cell adds it; to add it anyway: "
-                f"{_enable(chapter, '--gpu')}"
-            )
+            how = f"this cell adds it (anyway: {_enable(chapter, '--gpu')})"
+            skipped.append(f"skipped the GPU-only {', '.join(spec.gpu)}: {where_gpu} {how}")
         if spec.vllm:
-            skipped.append(
-                "skipped vLLM: it needs a CUDA GPU. On a GPU runtime (Runtime > Change runtime "
-                f"type) it is an opt-in: {_enable(chapter, '--vllm')}"
-            )
+            how = f"it is an opt-in: {_enable(chapter, '--vllm')}"
+            skipped.append(f"skipped vLLM: {where_gpu} {how}")
     pinned = [_pinned(table, n, where) for n in names]
-    nodeps = [
-        _pinned(pins(repo / "requirements-nodeps.txt"), n, "requirements-nodeps.txt")
-        for n in spec.models
-    ]
+    nodeps_pins = pins(repo / "requirements-nodeps.txt")
+    nodeps = [_pinned(nodeps_pins, n, "requirements-nodeps.txt") for n in spec.models]
     pip = (sys.executable, "-m", "pip", "install", "-q")
     index = index_options(repo / "requirements-gpu.txt") if gpu else []
     commands = [(*pip, *index, "-e", str(repo), *pinned)]
@@ -293,16 +264,15 @@ def plan(
 
 def gpu_hint(gpu: bool) -> str | None:
     """What to do when torch will not use a GPU, or None when it does. Asked in a fresh
-    interpreter, which sees what set-up just installed, and so that set-up itself never
-    imports torch into the notebook's kernel."""
+    interpreter: it sees what set-up installed, and the kernel never imports torch here."""
     if not gpu:
         return (
             "no NVIDIA GPU here (nvidia-smi lists none): the notebook runs on the CPU and its GPU "
             "cells say what they skip. For them on Colab: Runtime > Change runtime type > a GPU, "
             "then run this cell again."
         )
-    probe = [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"]
-    out = subprocess.run(probe, capture_output=True, text=True)
+    probe = "import torch; print(torch.cuda.is_available())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if out.stdout.strip() == "True":
         return None
     if out.returncode:
@@ -344,35 +314,20 @@ def setup(chapter: int, gpu: bool | None = None, vllm: bool = False, repo: Path 
         f"{title}: installed minillm (editable, {repo}), {' '.join(todo.installs)}; "
         f"working directory {Path.cwd()}"
     )
-    for line in todo.skipped:
-        print(line)
     hint = gpu_hint(gpu)
-    if hint:
-        print(hint)
-    if vllm:
-        print("vLLM replaced torch: restart the session, then run the notebook from the top")
+    vllm_note = "vLLM replaced torch: restart the session, then run the notebook from the top"
+    print("\n".join([*todo.skipped, *([hint] if hint else []), *([vllm_note] if vllm else [])]))
     return todo
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python minillm/course.py 6 [--gpu | --no-gpu] [--vllm] [--dry-run]`."""
-    parser = argparse.ArgumentParser(
-        prog="python minillm/course.py",
-        description="Install what one chapter of the course needs (Colab: each notebook's "
-        "first cell runs this).",
-    )
+    parser = argparse.ArgumentParser("python minillm/course.py", description=__doc__)
     parser.add_argument("chapter", type=int, choices=sorted(CHAPTERS))
     parser.add_argument(
-        "--gpu",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a GPU runtime: GPU builds and extras (default: ask nvidia-smi)",
+        "--gpu", action=argparse.BooleanOptionalAction, help="default: ask nvidia-smi"
     )
-    parser.add_argument(
-        "--vllm",
-        action="store_true",
-        help="chapters 08/09 on a GPU: add vLLM (several minutes; it brings its own torch)",
-    )
+    parser.add_argument("--vllm", action="store_true", help="add vLLM (minutes; its own torch)")
     parser.add_argument("--dry-run", action="store_true", help="print the pip commands only")
     parser.add_argument("--repo", type=Path, default=REPO, help="the course's checkout")
     args = parser.parse_args(argv)
@@ -381,12 +336,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.dry_run:
             setup(args.chapter, gpu=gpu, vllm=args.vllm, repo=args.repo)
             return
+        version = installed_version("torch")
         todo = plan(
-            args.chapter,
-            gpu=gpu,
-            vllm=args.vllm,
-            repo=args.repo.resolve(),
-            torch_version=installed_version("torch"),
+            args.chapter, gpu=gpu, vllm=args.vllm, repo=args.repo.resolve(), torch_version=version
         )
     except ValueError as err:
         parser.error(str(err))

@@ -1,0 +1,131 @@
+"""What a learner reads first stays true and short.
+
+- README.md's headline-results table is what `python -m benchmarks.readme_table` writes from
+  benchmarks/results/*.json now (no figure typed by hand, none left stale);
+- README.md stays at most 2,000 words: the minutiae live in docs/;
+- README.md, CLAIMS.md and docs/*.md tell no internal history (issue numbers, re-measures,
+  "added in ...", sessions, branches): they describe the course as it is;
+- every page the README links to exists, and so does every relative link in the docs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import readme_table
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MAX_WORDS = 2000
+PAGES = [README, ROOT / "CLAIMS.md", *sorted((ROOT / "docs").glob("*.md"))]
+REQUIRED_DOCS = ["docs/benchmarks.md", "docs/llama_cpp.md", "docs/server.md"]
+# Commands other tests and the Makefile rely on the README to show.
+COMMANDS = [
+    "make course",
+    "make test",
+    "make grade CH=",
+    "make venv GPU=1",
+    "python -m minillm serve",
+    "python -m minillm bench",
+    "python -m benchmarks.readme_table",
+]
+HISTORY = {
+    "an issue number": r"\b[Ii]ssues? #?\d+",
+    "a #N reference": r"(?<![\w&#/])#\d+\b",
+    "a pull request": r"\b(?:PR|[Pp]ull request) #?\d+",
+    "a re-measure": r"\b[Rr]e-?measur",
+    "'added in'": r"\b[Aa]dded in\b",
+    "a session": r"\b(?:this|that|earlier|previous|last) session\b",
+    "a previous run": r"\bprevious (?:committed )?run\b",
+    "'earlier that day'": r"\bearlier that day\b",
+    "a branch or tree": r"\b(?:this|that) (?:branch|tree)\b",
+    "an old default": r"\b(?:now the default|old default)\b",
+    "a dated change": r"\b(?:[Bb]efore|[Aa]fter|[Ss]ince|[Uu]ntil) 20\d\d-\d\d-\d\d\b",
+}
+LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def history_in(text: str) -> list[str]:
+    """'what: the matched text' for each piece of internal history in `text`."""
+    found = []
+    for what, pattern in HISTORY.items():
+        found += [f"{what}: {m.group(0)!r}" for m in re.finditer(pattern, text)]
+    return found
+
+
+def relative_links(path: Path) -> list[str]:
+    """The targets of `path`'s Markdown links that point into the repository."""
+    links = [link.split("#")[0] for link in LINK_RE.findall(path.read_text())]
+    return [link for link in links if link and not re.match(r"[a-z]+:", link)]
+
+
+def test_the_results_table_is_what_the_script_writes_now():
+    text = README.read_text()
+    block = readme_table.current(text)
+    assert block is not None, (
+        f"README.md lacks {readme_table.BEGIN!r} ... {readme_table.END!r}: put them back, "
+        f"then run {readme_table.COMMAND}"
+    )
+    assert block == readme_table.block(), (
+        f"README.md's results table is out of date with benchmarks/results/: run "
+        f"{readme_table.COMMAND}"
+    )
+
+
+def test_every_row_names_a_results_file_that_exists():
+    rows = [make() for make in readme_table.ROWS]
+    assert 6 <= len(rows) <= 12
+    for row in rows:
+        assert row.files and all((readme_table.RESULTS / f).is_file() for f in row.files), row
+
+
+def test_a_range_is_never_only_the_best():
+    assert readme_table.span([1.0, 1.5, 1.2]) == "1.00-1.50x"
+    assert readme_table.span([1.004, 0.996]) == "1.00x"
+    assert readme_table.span([0.1, 0.2], readme_table.delta) == "+10.0% to +20.0%"
+
+
+def test_the_readme_is_at_most_2000_words():
+    words = len(README.read_text().split())  # what `wc -w` counts
+    assert words <= MAX_WORDS, (
+        f"README.md has {words} words (at most {MAX_WORDS}): move detail to a docs/ page "
+        "and link it"
+    )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_no_internal_history(page):
+    found = history_in(page.read_text())
+    assert not found, (
+        f"{page.relative_to(ROOT)} narrates internal history; say what is true now, and "
+        f"where a figure comes from (its results file), instead: {found}"
+    )
+
+
+def test_the_history_check_catches_what_it_should():
+    caught = "issue 12's goal; see #14; a re-measure on 2026-12-01; added in issue 16"
+    assert len(history_in(caught)) >= 4
+    assert history_in("a measured 1.3x; chapter 08, section 6; `--threads 1`; [x](#top)") == []
+
+
+def test_the_readme_links_its_docs_pages_and_they_exist():
+    links = relative_links(README)
+    for page in REQUIRED_DOCS:
+        assert page in links, f"README.md does not link {page}"
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to pages that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=[str(p.relative_to(ROOT)) for p in PAGES[1:]])
+def test_every_relative_link_in_the_docs_exists(page):
+    missing = [link for link in relative_links(page) if not (page.parent / link).exists()]
+    assert not missing, f"{page.relative_to(ROOT)} links to what does not exist: {missing}"
+
+
+def test_the_readme_shows_the_commands_the_course_relies_on():
+    text = README.read_text()
+    missing = [command for command in COMMANDS if command not in text]
+    assert not missing, f"README.md no longer shows {missing}"
