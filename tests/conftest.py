@@ -1,6 +1,7 @@
 """Fixtures shared by the package tests."""
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,30 @@ def model():
     """The bundled model, loaded once (tests only read it; a test file may override
     `model` with a model of its own)."""
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def onnx_step(model, tmp_path_factory) -> Callable[[str], Path]:
+    """`onnx_step(kind)`: the bundled model's decode-step graph, exported once per test
+    process and shared (tests read the file, never write it): "static" (export_static_step),
+    "gqa" (export_gqa_step, fused) or "gqa-traced" (fuse=False). A graph takes 5-25 s to
+    export, and the ONNX test modules used to export the same ones ten times."""
+    from minillm.export.onnx_gqa import export_gqa_step
+    from minillm.export.onnx_static import export_static_step
+
+    exporters = {
+        "static": lambda path: export_static_step(model, path),
+        "gqa": lambda path: export_gqa_step(model, path),
+        "gqa-traced": lambda path: export_gqa_step(model, path, fuse=False),
+    }
+    done: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in done:
+            done[kind] = exporters[kind](tmp_path_factory.mktemp(kind) / f"{kind}.onnx")
+        return done[kind]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -15,18 +15,17 @@ from minillm import SamplingParams, generate  # noqa: E402
 from minillm.export.onnx_checks import op_counts  # noqa: E402
 from minillm.export.onnx_gqa import GqaCache, OrtGqaDecoder, export_gqa_step  # noqa: E402
 from minillm.export.onnx_runtime import ort_session  # noqa: E402
-from minillm.export.onnx_static import OrtStaticDecoder, export_static_step  # noqa: E402
+from minillm.export.onnx_static import OrtStaticDecoder  # noqa: E402
 from minillm.model import random_model  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["fused", "traced"])
-def gqa_path(model, tmp_path_factory, request):
+def gqa_path(onnx_step, request):
     """The graph as `export_gqa_step` writes it, and as traced (`fuse=False`)."""
-    path = tmp_path_factory.mktemp("gqa") / "gqa.onnx"
-    return export_gqa_step(model, path, fuse=request.param == "fused")
+    return onnx_step("gqa" if request.param == "fused" else "gqa-traced")
 
 
-def test_one_node_per_layer_reads_and_writes_the_cache(model, gqa_path, tmp_path) -> None:
+def test_one_node_per_layer_reads_and_writes_the_cache(model, gqa_path, onnx_step) -> None:
     """Each past buffer feeds one GroupQueryAttention, which outputs the present: no
     scatter, no softmax, no RoPE arithmetic left around it."""
     import onnx
@@ -44,7 +43,7 @@ def test_one_node_per_layer_reads_and_writes_the_cache(model, gqa_path, tmp_path
         assert users == ["GroupQueryAttention"], (inp, users)
     for out in (o.name for o in graph.output if o.name.startswith("present_")):
         assert producer[out].op_type == "GroupQueryAttention", out
-    static = op_counts(export_static_step(model, tmp_path / "static.onnx"))
+    static = op_counts(onnx_step("static"))
     assert sum(ops.values()) < 0.4 * sum(static.values())
 
 
@@ -73,10 +72,10 @@ def test_gqa_gives_minillms_tokens(model, gqa_path, prompts, batched) -> None:
     assert tokens == generate(model, rows, params)
 
 
-def test_sampling_matches_the_static_decoder(model, gqa_path, prompts, tmp_path) -> None:
+def test_sampling_matches_the_static_decoder(gqa_path, onnx_step, prompts) -> None:
     """Seeded sampling draws from the same logits in both decoders: the same tokens."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, ignore_eos=True)
-    static = OrtStaticDecoder(ort_session(export_static_step(model, tmp_path / "s.onnx")), 48)
+    static = OrtStaticDecoder(ort_session(onnx_step("static")), 48)
     gqa = OrtGqaDecoder(ort_session(gqa_path), max_len=48)
     assert gqa.generate(prompts, params) == static.generate(prompts, params)
 
@@ -93,14 +92,14 @@ def test_the_bound_buffers_hold_the_cache(gqa_path, prompts) -> None:
     assert not key0[:, :, max(map(len, prompts)) + 4 :].any()
 
 
-def test_gqa_names_the_fixes(model, gqa_path, prompts, tmp_path, tiny_config) -> None:
+def test_gqa_names_the_fixes(gqa_path, onnx_step, prompts, tmp_path, tiny_config) -> None:
     with pytest.raises(ValueError, match="max_len <= 256"):
         OrtGqaDecoder(ort_session(gqa_path), max_len=300)
     with pytest.raises(ValueError, match="larger max_len"):
         OrtGqaDecoder(ort_session(gqa_path), max_len=8).generate(
             prompts[:1], SamplingParams(max_tokens=16)
         )
-    static = export_static_step(model, tmp_path / "static.onnx")
+    static = onnx_step("static")
     with pytest.raises(ValueError, match="export_gqa_step"):
         OrtGqaDecoder(ort_session(static), 8)
     with pytest.raises(ValueError, match="export_static_step"):

@@ -17,7 +17,6 @@ from minillm.export.onnx_checks import op_counts  # noqa: E402
 from minillm.export.onnx_gqa import OrtGqaDecoder, export_gqa_step  # noqa: E402
 from minillm.export.onnx_gqa_fuse import fuse_gqa_graph  # noqa: E402
 from minillm.export.onnx_runtime import ort_session  # noqa: E402
-from minillm.export.onnx_static import export_static_step  # noqa: E402
 
 
 def _prefill(path, prompts) -> np.ndarray:
@@ -31,10 +30,10 @@ def _prefill(path, prompts) -> np.ndarray:
     return decoder.step(ids, lengths - 1, int(lengths.max()))
 
 
-def test_the_fused_graph_has_genais_shape(model, tmp_path) -> None:
+def test_the_fused_graph_has_genais_shape(model, onnx_step) -> None:
     """Per layer: one q/k/v product feeding the node packed, two SkipSimplified norms; no
     Reshape and no residual Add left."""
-    traced = export_gqa_step(model, tmp_path / "traced.onnx", fuse=False)
+    traced = onnx_step("gqa-traced")
     proto = onnx.load(str(traced))
     done = fuse_gqa_graph(proto)
     cfg, n = model.config, model.config.num_hidden_layers
@@ -55,9 +54,9 @@ def test_the_fused_graph_has_genais_shape(model, tmp_path) -> None:
         fuse_gqa_graph(proto)
 
 
-def test_fused_logits_are_the_traced_graphs(model, prompts, tmp_path) -> None:
-    fused = _prefill(export_gqa_step(model, tmp_path / "fused.onnx"), prompts)
-    traced = _prefill(export_gqa_step(model, tmp_path / "traced.onnx", fuse=False), prompts)
+def test_fused_logits_are_the_traced_graphs(onnx_step, prompts) -> None:
+    fused = _prefill(onnx_step("gqa"), prompts)
+    traced = _prefill(onnx_step("gqa-traced"), prompts)
     for b, p in enumerate(prompts):  # the padded positions' logits are not meant to agree
         np.testing.assert_allclose(fused[b, : len(p)], traced[b, : len(p)], atol=1e-4, rtol=0)
 
@@ -81,11 +80,11 @@ def test_projection_biases_are_packed(tiny_model, tmp_path) -> None:
     assert decoder.generate(prompts, params) == generate(model, prompts, params)
 
 
-def test_other_graphs_are_refused(model, tmp_path) -> None:
-    static = onnx.load(str(export_static_step(model, tmp_path / "static.onnx")))
+def test_other_graphs_are_refused(onnx_step) -> None:
+    static = onnx.load(str(onnx_step("static")))
     with pytest.raises(ValueError, match="no GroupQueryAttention node"):
         fuse_gqa_graph(static)
-    proto = onnx.load(str(export_gqa_step(model, tmp_path / "traced.onnx", fuse=False)))
+    proto = onnx.load(str(onnx_step("gqa-traced")))
     gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
     gqa.input[1] = gqa.input[3]  # k read from the past buffer: not a projection
     with pytest.raises(ValueError, match="not a projection"):

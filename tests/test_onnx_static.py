@@ -18,8 +18,8 @@ from minillm.export.onnx_static import OrtStaticDecoder, export_static_step  # n
 
 
 @pytest.fixture(scope="module")
-def static_path(model, tmp_path_factory):
-    return export_static_step(model, tmp_path_factory.mktemp("static") / "static.onnx")
+def static_path(onnx_step):
+    return onnx_step("static")
 
 
 @pytest.fixture(scope="module")
