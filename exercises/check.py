@@ -3,8 +3,8 @@
 The notebooks' "your turn" cells define a function and call `check` on it. `check` runs
 that exercise's tests from `tests/exercises/` (the same tests that `make grade` and CI
 run) with the learner's function in place of the reference answer, and prints one
-friendly line: how many checks passed, or the first one that failed and why. No
-terminal needed, so it works on Colab.
+friendly verdict: how many checks passed, or every one that failed and why. No terminal
+needed, so it works on Colab.
 
 How the function gets in: the chapter's tests take the chapter's implementation module
 as a fixture (`tests/exercises/conftest.py`). While `check` runs, that fixture returns
@@ -53,11 +53,13 @@ class _Collect:
 
 
 def _short(report: Any) -> str:
-    """The message a failure ends with: the assertion and its explanation, no traceback."""
+    """The message a failure ends with: the assertion and its explanation, without the
+    traceback and without pytest's `+  where ...` lines (reprs of the objects compared,
+    long and no help to a learner)."""
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
     lines = [line for line in text.splitlines() if line.strip()]
-    return "\n".join(lines[:12])
+    return "\n".join([line for line in lines if not line.lstrip().startswith("+")][:8])
 
 
 def _test_file(chapter: str) -> Path:
@@ -140,7 +142,8 @@ def _verdict(exercise: str, collect: _Collect) -> Verdict:
     if "not implemented yet" in message:
         print(f"… {exercise}: not yet: write the function's body, then run this cell again")
         return Verdict(exercise, False)
-    test = test.split("::")[-1]
-    print(f"✗ {exercise}: {len(collect.failed)} of {total} checks fail; the first, {test}:")
-    print("    " + message.replace("\n", "\n    "))
+    print(f"✗ {exercise}: {len(collect.failed)} of {total} checks fail:")
+    for test, message in collect.failed:  # every one: a pattern across cases is a hint
+        print(f"  ✗ {test.split('::')[-1]}")
+        print("      " + message.replace("\n", "\n      "))
     return Verdict(exercise, False)

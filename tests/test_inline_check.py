@@ -1,5 +1,6 @@
 """The notebooks' in-place grader: `exercises.check.check` runs an exercise's tests on the
-learner's function and says pass, fail (with the first failing check) or not yet.
+learner's function and says pass, fail (with every failing check and its message) or not
+yet.
 
 It runs pytest inside the caller's process, so this test drives it in a fresh Python
 (as a notebook kernel would) rather than nesting pytest in pytest."""
@@ -7,6 +8,7 @@ It runs pytest inside the caller's process, so this test drives it in a fresh Py
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +54,10 @@ def test_check_passes_fails_and_says_not_yet():
         "RESULT False",
     ]
     assert "✓ ch02.kv_cache_bytes: all" in out
-    assert "checks fail; the first, test_ch02_kv_cache_bytes" in out
+    failing = re.search(r"ch02.kv_cache_bytes: (\d+) of (\d+) checks fail:", out)
+    assert failing, out
+    listed = re.findall(r"^  ✗ (test_ch02_kv_cache_bytes\S*)$", out, re.M)
+    assert len(listed) == int(failing.group(1)) > 1, (listed, failing.group(0))
     assert "got 65536 bytes" in out  # the failing assertion's own message, not a traceback
     assert "not yet: write the function's body" in out
     assert "Traceback" not in out

@@ -111,7 +111,11 @@ def test_ch02_kv_cache_bytes_uses_explicit_head_dim(ch02):
 def test_ch02_kv_cache_bytes_matches_minillm_allocation(ch02, kwargs, dtype):
     cfg = ModelConfig(hidden_size=64, num_hidden_layers=3, **kwargs)
     cache = KVCache(cfg, batch_size=5, max_len=37, dtype=dtype)
-    assert ch02.kv_cache_bytes(cfg.to_hf(), 37, 5, dtype) == cache.nbytes
+    got = ch02.kv_cache_bytes(cfg.to_hf(), 37, 5, dtype)
+    assert got == cache.nbytes, (
+        f"expected {cache.nbytes} bytes (what minillm's KVCache allocates for 5 rows of 37 "
+        f"tokens in {dtype}), got {got}: K and V, every layer, kv head, position and row"
+    )
 
 
 # --- SlidingWindowCache ---------------------------------------------------------------------

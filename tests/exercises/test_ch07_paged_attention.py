@@ -97,8 +97,16 @@ def test_ch07_prefix_block_hashes_find_what_minillm_finds(ch07):
 def test_ch07_cow_append_fills_a_block_then_opens_the_next(ch07):
     table, refs, free = [], [0] * 4, [2, 0, 1, 3]
     slots = [ch07.cow_append(table, n, refs, free, 2) for n in range(5)]
-    assert slots == [(4, None), (5, None), (0, None), (1, None), (2, None)]
-    assert table == [2, 0, 1] and refs == [1, 1, 1, 0] and free == [3]
+    want = [(4, None), (5, None), (0, None), (1, None), (2, None)]
+    assert slots == want, (
+        f"(slot, copy) per token: expected {want}, got {slots}; slot = block * block_size + "
+        "offset, and a new block is taken from the front of free only when the last is full"
+    )
+    got = (table, refs, free)
+    assert got == ([2, 0, 1], [1, 1, 1, 0], [3]), (
+        f"(table, refs, free): expected ([2, 0, 1], [1, 1, 1, 0], [3]), got {got}: each new "
+        "block goes on the table with ref_count 1 and leaves free"
+    )
 
 
 def test_ch07_cow_append_copies_a_shared_last_block_once(ch07):
@@ -111,8 +119,15 @@ def test_ch07_cow_append_copies_a_shared_last_block_once(ch07):
         refs[b] += 1
     slot, copy = ch07.cow_append(child, 3, refs, free, 2)
     assert copy == (4, 5), "the shared half block must be copied before the write"
-    assert child == [3, 5] and slot == 5 * 2 + 1
-    assert refs[3] == 2 and refs[4] == 1 and refs[5] == 1
+    assert (child, slot) == ([3, 5], 5 * 2 + 1), (
+        f"the child's table and slot: expected ([3, 5], 11), got ({child}, {slot}): the copy "
+        "(block 5) replaces the shared block on the table, and the token goes into it"
+    )
+    assert refs[3:] == [2, 1, 1], (
+        f"ref counts of blocks 3, 4, 5: expected [2, 1, 1], got {refs[3:]}: the full block "
+        "stays shared (2); the shared half block loses the child (2 -> 1: decrement its "
+        "ref_count); the copy has one owner (1)"
+    )
     slot, copy = ch07.cow_append(parent, 3, refs, free, 2)
     assert copy is None and slot == 4 * 2 + 1, "the parent is now the only owner"
 
@@ -121,15 +136,22 @@ def test_ch07_cow_append_full_shared_block_needs_no_copy(ch07):
     refs, free = [0, 2, 0], [2]
     table = [1]  # one full block of 2, shared with another sequence
     slot, copy = ch07.cow_append(table, 2, refs, free, 2)
-    assert copy is None and table == [1, 2] and slot == 4 and refs == [0, 2, 1]
+    got = (copy, table, slot, refs)
+    assert got == (None, [1, 2], 4, [0, 2, 1]), (
+        f"(copy, table, slot, refs): expected (None, [1, 2], 4, [0, 2, 1]), got {got}: a "
+        "full shared block is never written again, so no copy: open a new block instead"
+    )
 
 
 def test_ch07_cow_append_out_of_blocks_changes_nothing(ch07):
     table, refs, free = [0], [2], []
+    hint = "raise before changing anything: check free first, then update table and refs"
     raises_runtime_error(ch07.cow_append, table, 1, refs, free, 4)  # shared: needs a copy
-    assert (table, refs, free) == ([0], [2], [])
+    got = (table, refs, free)
+    assert got == ([0], [2], []), f"expected ([0], [2], []) after the error, got {got}: {hint}"
     raises_runtime_error(ch07.cow_append, table, 4, refs, free, 4)  # full: needs a new block
-    assert (table, refs, free) == ([0], [2], [])
+    got = (table, refs, free)
+    assert got == ([0], [2], []), f"expected ([0], [2], []) after the error, got {got}: {hint}"
 
 
 def test_ch07_cow_append_agrees_with_minillm_under_random_forks(ch07):
