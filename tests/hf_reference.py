@@ -64,17 +64,3 @@ def build_hf(case: str, path) -> transformers.PreTrainedModel:
                 p.normal_(0, 0.02)
     hf.save_pretrained(path)
     return hf
-
-
-def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int, use_cache: bool):
-    """transformers' generate, greedy, n new tokens for one prompt (no padding)."""
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        do_sample=False,
-        use_cache=use_cache,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()

@@ -3,9 +3,10 @@
 import pytest
 import torch
 from helpers import greedy
-from hf_reference import build_hf, hf_greedy
+from hf_reference import build_hf
 
 from minillm import SamplingParams, generate, generate_naive, load_model
+from minillm.bench.kv_cache import hf_greedy
 from minillm.cache import KVCache
 from minillm.model import ModelConfig, Transformer
 

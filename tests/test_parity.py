@@ -13,9 +13,10 @@ import json
 import pytest
 import torch
 import transformers
-from hf_reference import BASE, CASES, LLAMA3_ROPE, build_hf, hf_greedy
+from hf_reference import BASE, CASES, LLAMA3_ROPE, build_hf
 
 from minillm import SamplingParams, generate_naive, load_model, save_model
+from minillm.bench.kv_cache import hf_greedy
 from minillm.model import ModelConfig, Transformer
 
 

@@ -94,6 +94,22 @@ def prompt_ids(tok: Tokenizer) -> list[int]:
 # ----------------------------------------------------------- (c) minillm vs transformers
 
 
+@torch.inference_mode()
+def hf_greedy(hf: Any, prompt: list[int], n: int, use_cache: bool) -> list[int]:
+    """transformers' `generate`, greedy: `n` new token ids after one unpadded prompt (on the
+    model's device), with or without its KV cache."""
+    ids = torch.tensor([prompt], device=hf.device)
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        use_cache=use_cache,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def compare_hf(
     name: str | None = None,
     new_tokens: int = 200,
@@ -120,7 +136,6 @@ def compare_hf(
     hf = hf.to(weight.device).eval()
     hf.generation_config.eos_token_id = None  # generate exactly new_tokens, like ignore_eos
     ids = prompt_ids(tok)
-    prompt = torch.tensor([ids], device=weight.device)
     out: dict[str, list[int]] = {}
 
     def ours(m: Transformer, label: str) -> Callable[[], None]:
@@ -131,16 +146,7 @@ def compare_hf(
 
     def theirs(use_cache: bool) -> Callable[[], None]:
         def call() -> None:
-            with torch.inference_mode():
-                gen = hf.generate(
-                    prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    max_new_tokens=new_tokens,
-                    do_sample=False,
-                    use_cache=use_cache,
-                    pad_token_id=0,
-                )
-            out[f"HF use_cache={use_cache}"] = gen[0, len(ids) :].tolist()
+            out[f"HF use_cache={use_cache}"] = hf_greedy(hf, ids, new_tokens, use_cache)
 
         return call
 
