@@ -9,7 +9,7 @@ from importlib import metadata
 import torch
 from packaging.requirements import Requirement
 
-from minillm.course import CHAPTERS, GPU_BUILDS, REPO, requirement_lines
+from minillm.course import CHAPTERS, GPU_BUILDS, REPO, installed_version, requirement_lines
 
 
 def requirements(name: str) -> list[Requirement]:
@@ -18,10 +18,7 @@ def requirements(name: str) -> list[Requirement]:
 
 
 def _installed(name: str) -> bool:
-    try:
-        return bool(metadata.version(name))
-    except metadata.PackageNotFoundError:
-        return False
+    return installed_version(name) is not None
 
 
 def check(req: Requirement) -> tuple[bool, str]:
