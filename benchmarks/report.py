@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,15 +49,24 @@ class Run:
     name: str
     args: argparse.Namespace
     t0: float = field(default_factory=time.perf_counter)
+    load_at_start: float = field(default_factory=lambda: os.getloadavg()[0])
 
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
 
     def finish(self, results: dict[str, Any], summary: str) -> dict[str, Any]:
-        """Add the run's options and duration, write the JSON if asked, print the summary."""
+        """Add the run's options, duration, date and how busy the shared machine was (the
+        1-minute load average at the start and the end, and the higher of the two), write
+        the JSON if asked, print the summary."""
+        meta = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average": max(self.load_at_start, os.getloadavg()[0]),
+            "load_average_start_end": [self.load_at_start, os.getloadavg()[0]],
+        }
         results = {
             **results,
+            "meta": {**meta, **results.get("meta", {})},
             "machine": machine_info(self.args.threads),
             "threads": self.args.threads,
             "quick": getattr(self.args, "quick", False),

@@ -67,3 +67,21 @@ def test_rope_frequencies_stay_fp32_through_casts(tiny, cast):
     cos16, _ = rope_cos_sin(ref.half(), pos)
     assert (cos32 - cos16.float()).abs().max() > 0.1
     torch.testing.assert_close(cos32, rope_cos_sin(ref, pos)[0])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_grouped_sdpa_is_torchs_gqa_attention(heads, kv_heads, t):
+    """Folding a kv head's query heads into its rows is a re-indexing, not a new formula:
+    the same outputs as torch's enable_gqa SDPA, for each row's own mask (rows of several
+    lengths), on strided K/V (a cache's window of a longer buffer)."""
+    from minillm.cache.protocol import grouped_sdpa, masked_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, heads, t, 16, generator=g)
+    k = torch.randn(3, kv_heads, 40, 16, generator=g)[:, :, :29]
+    v = torch.randn(3, kv_heads, 40, 16, generator=g)[:, :, :29]
+    lengths = torch.tensor([29, 11, 1])
+    slots = torch.arange(29)
+    mask = slots < (lengths[:, None] - t + 1 + torch.arange(t))[:, None, :, None].clamp(min=1)
+    torch.testing.assert_close(grouped_sdpa(q, k, v, mask), masked_sdpa(q, k, v, mask))

@@ -26,10 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from minillm.cache.kv_quant import kv_quant
-from minillm.cache.protocol import ModelShape
+from minillm.cache.protocol import ModelShape, grouped_sdpa
 from minillm.kernels.paged_attention import gather_kv, paged_attention
 
 
@@ -52,7 +51,7 @@ def attend(
     if visible.dim() == 1:  # one length per row: the same for all its queries
         visible = visible[:, None]
     mask = slots < visible[:, None, :, None]  # [rows, 1, T or 1, S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return grouped_sdpa(q, k, v, mask)
 
 
 class PagedKVCache:

@@ -54,6 +54,28 @@ def masked_sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def grouped_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """`masked_sdpa` that reads each kv head's K/V once in a decode step (one query a row).
+
+    With `enable_gqa`, PyTorch's CPU kernel attends head by head: each of a kv head's
+    heads / kv_heads query heads streams that head's K and V again. Once a layer's K/V
+    outgrow the core's L2 (SmolLM2: 3 kv heads x 64 x 4 bytes x 2 = 1.5 KiB a token, 1 MiB
+    by ~700 tokens), every pass comes from L3 or memory. Folding a group's query heads into
+    the rows of one head ([B, heads, 1, d] -> [B, kv_heads, group, d]: the same numbers,
+    since query head h uses kv head h // group) makes it one pass over K and V per kv head;
+    the decode mask [B, 1, 1, S] broadcasts over the folded rows. Prompt chunks (T > 1)
+    reuse each K/V tile across their many query rows already: they take `masked_sdpa`."""
+    batch, heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    if t != 1 or heads == kv_heads:
+        return masked_sdpa(q, k, v, mask)
+    group = q.reshape(batch, kv_heads, heads // kv_heads, d)
+    out = F.scaled_dot_product_attention(group, k, v, attn_mask=mask)
+    return out.reshape(batch, heads, 1, d)
+
+
 class SdpaCache(ABC):
     """A cache that attends the plain PyTorch way: `update` stores this step's K/V and
     returns all of the row's K/V, `causal_mask` says which of those slots each query may
@@ -61,12 +83,12 @@ class SdpaCache(ABC):
     one cannot be instantiated).
 
     `sdpa` is the extension point for the attention over the stored K/V: PyTorch's SDPA
-    (`masked_sdpa`) unless the cache instance is given its own, as an exporter does for
+    (`grouped_sdpa`) unless the cache instance is given its own, as an exporter does for
     the form it wants in the graph (`ConcatCache(..., sdpa=...)`, `ScatterCache(...,
     sdpa=...)`), for that cache only, where swapping torch's function would change every
     model in the process."""
 
-    sdpa: SdpaFn = staticmethod(masked_sdpa)
+    sdpa: SdpaFn = staticmethod(grouped_sdpa)
 
     @abstractmethod
     def update(
