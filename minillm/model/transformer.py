@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator
 
@@ -115,6 +116,43 @@ class Ops:
 DEFAULT_OPS = Ops()
 
 
+@dataclasses.dataclass(eq=False)
+class SideBySide:
+    """Linear layers that read the same input, their weights stored as the column blocks
+    of one [in, sum of outs] buffer (`minillm.model.layout.decode_layout` builds it): one
+    matrix-vector product serves them all, then a split. Each layer's weight stays its
+    own `Parameter`, a transposed view of its block, so the state dict, a checkpoint and
+    any reader see the separate layers unchanged.
+
+    It serves only while it still holds what the layers hold (`serves`): a layer replaced
+    (a quantizer's), a weight re-assigned (`.half()`, `.to()`), a backward pass needed
+    (the buffer is not a parameter: no gradient would reach the layers), a compile (which
+    sees the layers, not pointers) or a deep copy (PyTorch clones each parameter on its own:
+    lay the copy out again) takes the layers' own path."""
+
+    weight: torch.Tensor  # [in, sum of outs]
+    bias: torch.Tensor | None  # [sum of outs], when the layers have biases
+    linears: tuple[nn.Linear, ...]
+    sizes: tuple[int, ...]
+
+    def serves(self, *linears: nn.Module) -> bool:
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or linears != self.linears:
+            return False
+        base, size = self.weight.data_ptr(), self.weight.element_size()
+        offsets = itertools.accumulate(self.sizes, initial=0)  # each block's first column
+        return all(
+            m.weight.data_ptr() == base + o * size for m, o in zip(linears, offsets, strict=False)
+        )
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = (
+            x @ self.weight
+            if self.bias is None
+            else torch.addmm(self.bias, x.flatten(0, -2), self.weight).view(*x.shape[:-1], -1)
+        )
+        return y.split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -129,10 +167,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv: SideBySide | None = None  # the decode layout's one buffer for q, k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, T, heads * head_dim] of x: three GEMMs here; chapter 04's fused
-        attention overrides this with one."""
+        """q, k, v [B, T, heads * head_dim] of x: three GEMMs, or one where the decode
+        layout put the three weights side by side; chapter 04's fused attention overrides
+        this with its own."""
+        if self.qkv is not None and self.qkv.serves(self.q_proj, self.k_proj, self.v_proj):
+            q, k, v = self.qkv(x)
+            return q, k, v
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
@@ -167,8 +210,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_up: SideBySide | None = None  # the decode layout's one buffer for both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.gate_up.serves(self.gate_proj, self.up_proj):
+            gate, up = self.gate_up(x)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
