@@ -1,7 +1,7 @@
 """Chapter 02 benchmark: what the KV cache buys, measured on this machine.
 
     python -m benchmarks.kv_cache [--model smollm2] [--quick] [--threads N] [--json out.json]
-                                  [--roofline] [--llama-cpp]
+                                  [--roofline [--runs N]] [--llama-cpp]
 
 `--model` (default `smollm2`: SmolLM2-135M-Instruct, offline; `bundled` for the course's
 1.3M model; or any checkpoint `load_model` takes) is the model of every part. Four parts,
@@ -120,7 +120,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="(d) also times llama.cpp's batch-1 decode of the same weights as an f32 GGUF "
         "(needs llama-server: python -m benchmarks.llama_server)",
     )
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="with --roofline: repeat part (d) this many times, each with its own bound and "
+        "llama.cpp rounds (a shared machine's speed changes between runs: report the range); "
+        "the step compiles once, in the first run",
+    )
     args = ap.parse_args(argv)
+    if args.runs < 1 or (args.runs > 1 and not args.roofline):
+        ap.error("--runs takes a count of 1 or more, and more than 1 only with --roofline")
     run = report.start(f"kv-cache ({args.model})", args)
     # Inductor caches compiled code and max-autotune's kernel choices on disk: a rerun
     # would reuse choices timed on another run's machine state, and its compile time
@@ -147,12 +157,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"(a) and the roofline on: {label_a}")
 
     cpu = device.type == "cpu"
-    roof = bench.decode_roofline(model, context=ctx, repeats=5 if args.quick else 10, compiled=cpu)
-    if args.llama_cpp:
-        roof["peer"] = llama_cpp_peer(model, name, roof, ctx, rounds=3 if args.quick else 5)
-    bench.print_roofline(roof, args.model)
+    runs = []
+    for _ in range(args.runs):
+        roof = bench.decode_roofline(
+            model, context=ctx, repeats=5 if args.quick else 10, compiled=cpu
+        )
+        if args.llama_cpp:
+            roof["peer"] = llama_cpp_peer(model, name, roof, ctx, rounds=3 if args.quick else 5)
+        bench.print_roofline(roof, args.model)
+        runs.append(roof)
     if args.roofline:
-        return run.finish({"model": args.model, "roofline": roof}, roofline_summary(roof))
+        summary = "; ".join(f"run {i + 1}: {roofline_summary(r)}" for i, r in enumerate(runs))
+        return run.finish({"model": args.model, "roofline": roof, "runs": runs}, summary)
 
     hf = bench.compare_hf(
         name, new_tokens, repeats=3 if args.quick else 5, device=device, dtype=dtype

@@ -272,20 +272,24 @@ def llama_server() -> Row:
 def decode_roofline() -> Row:
     name = "decode-roofline-smollm2.json"
     d = load(name)
-    roof = d["roofline"]
-    variants = roof["variants"]
-    bound = roof["bound_tokens_per_s"]
-    peer = roof["peer"]
-    best = variants[roof["best"]]["tokens_per_s"]
+    runs = d.get("runs") or [d["roofline"]]  # each run: its own bound, compile and peer
     label = lambda k: k if k.startswith("compiled") else f"eager ({k})"  # noqa: E731
-    shares = ", ".join(f"{label(k)} {pct(v['fraction_of_bound'])}" for k, v in variants.items())
+    shares = ", ".join(
+        f"{label(k)} {span([r['variants'][k]['fraction_of_bound'] for r in runs], pct)}"
+        for k in runs[0]["variants"]
+    )
+    peer = [x / r["bound_tokens_per_s"] for r in runs for x in r["peer"]["rounds"]]
+    ratios = {  # each variant's speed over llama.cpp's, every round of every run
+        k: [r["variants"][k]["tokens_per_s"] / x for r in runs for x in r["peer"]["rounds"]]
+        for k in runs[0]["variants"]
+    }
     result = (
-        f"{shares}; llama.cpp f32 {span([r / bound for r in peer['rounds']], pct)} over its "
-        f"{len(peer['rounds'])} rounds: minillm's best is "
-        f"{span([best / r for r in peer['rounds']])} llama.cpp's speed"
+        f"{shares}; llama.cpp f32 {span(peer, pct)}, over {len(runs)} run(s) of "
+        f"{len(runs[0]['peer']['rounds'])} rounds. Against llama.cpp's speed: "
+        + ", ".join(f"{label(k)} {span(v)}" for k, v in ratios.items())
     )
     what = (
-        f"Batch-1 decode, {model_name(d['model'])}, {dtype(roof['dtype'])}, {d['threads']} "
+        f"Batch-1 decode, {model_name(d['model'])}, {dtype(runs[0]['dtype'])}, {d['threads']} "
         "thread: share of the memory-read bound"
     )
     return Row(what, result, (name,))

@@ -129,3 +129,30 @@ def test_the_readme_shows_the_commands_the_course_relies_on():
     text = README.read_text()
     missing = [command for command in COMMANDS if command not in text]
     assert not missing, f"README.md no longer shows {missing}"
+
+
+def test_claims_decode_roofline_figures_are_the_results_files():
+    """CLAIMS 05.5 quotes the committed roofline runs: each range it states is the one the
+    results file gives now (a re-run that moves a figure fails this until the row follows)."""
+    d = readme_table.load("decode-roofline-smollm2.json")
+    runs = d["runs"]
+    compiled, layout = "compiled (frozen weights, max-autotune)", "decode layout"
+
+    def over(fn, fmt=readme_table.x):
+        return readme_table.span([fn(r) for r in runs], fmt)
+
+    peer = [r["variants"][compiled]["tokens_per_s"] / x for r in runs for x in r["peer"]["rounds"]]
+    want = [
+        f"{over(lambda r: r['variants'][compiled]['speedup'])} the eager step as loaded",
+        f"{over(lambda r: r['variants'][compiled]['tokens_per_s'] / r['variants'][layout]['tokens_per_s'])}"  # noqa: E501
+        " the eager step with the decode layout",
+        f"{over(lambda r: r['variants'][compiled]['fraction_of_bound'], readme_table.pct)} of the"
+        " read-bandwidth bound",
+        f"{readme_table.span(peer)} llama.cpp f32",
+        f"the first compile took {runs[0]['variants'][compiled]['compile_s']:.0f} s",
+        f"three committed runs (`python -m benchmarks.kv_cache --model smollm2 --roofline "
+        f"--llama-cpp --runs {len(runs)}`",
+    ]
+    row = next(line for line in (ROOT / "CLAIMS.md").read_text().splitlines() if "| 05.5 |" in line)
+    missing = [w for w in want if w not in row]
+    assert not missing, f"CLAIMS 05.5 should state {missing} (from the results file)"
