@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary
 from transformers.models.llama.modeling_llama import repeat_kv as hf_repeat_kv
 
+from exercises.feedback import assert_close, worst
 from minillm.generation.sampling import top_k_filter
 from minillm.generation.sampling import top_p_filter as minillm_top_p
 from minillm.model import ModelConfig, Transformer
@@ -30,6 +31,13 @@ def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
 
 
 # --- rms_norm -------------------------------------------------------------------------------
+
+
+RMS_REFERENCES = ("minillm's RMSNorm", "transformers' LlamaRMSNorm")
+RMS_HINT = (
+    "y = weight * x / sqrt(mean(x**2 over the last dim) + eps): no mean subtraction (that "
+    "is LayerNorm), eps inside the sqrt; normalise in fp32, cast back, then multiply by weight"
+)
 
 
 def references_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -48,9 +56,18 @@ def references_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float):
 def test_ch01_rms_norm_matches_minillm_and_transformers(ch01, shape, eps):
     x, weight = randn(*shape, seed=1), randn(shape[-1], seed=2)
     out = ch01.rms_norm(x, weight, eps)
-    assert out.shape == x.shape and out.dtype == torch.float32
-    for ref in references_rms_norm(x, weight, eps):
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    case = f"rms_norm(fp32 x {list(shape)}, eps={eps})"
+    assert out.shape == x.shape, (
+        f"{case}: expected shape {tuple(x.shape)}, got {tuple(out.shape)}; hint: reduce over "
+        "the last dim only with keepdim=True (mean(-1, keepdim=True)) so it broadcasts back"
+    )
+    assert out.dtype == torch.float32, (
+        f"{case}: expected dtype torch.float32, got {out.dtype}; hint: compute in fp32 and "
+        "cast the normalised vector back to x.dtype"
+    )
+    refs = references_rms_norm(x, weight, eps)
+    for name, ref in zip(RMS_REFERENCES, refs, strict=True):
+        assert_close(out, ref, f"{case} vs {name}", RMS_HINT, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -60,9 +77,14 @@ def test_ch01_rms_norm_half_precision_matches_references(ch01, dtype, tol):
     """A half-precision model: x and weight both fp16/bf16, the result in that dtype."""
     x, weight = randn(3, 96, seed=3, scale=4.0).to(dtype), randn(96, seed=4).to(dtype)
     out = ch01.rms_norm(x, weight, 1e-5)
-    assert out.dtype == dtype, f"rms_norm returned {out.dtype} for {dtype} x and weight"
-    for ref in references_rms_norm(x, weight, 1e-5):
-        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    case = f"rms_norm({dtype} x [3, 96] and weight, eps=1e-5)"
+    assert out.dtype == dtype, (
+        f"{case}: expected dtype {dtype}, got {out.dtype}; hint: cast the normalised fp32 "
+        "vector back to x.dtype before multiplying by weight"
+    )
+    refs = references_rms_norm(x, weight, 1e-5)
+    for name, ref in zip(RMS_REFERENCES, refs, strict=True):
+        assert_close(out, ref, f"{case} vs {name}", RMS_HINT, rtol=tol, atol=tol)
 
 
 def test_ch01_rms_norm_fp16_large_activations_need_fp32(ch01):
@@ -71,37 +93,70 @@ def test_ch01_rms_norm_fp16_large_activations_need_fp32(ch01):
     assert x.isfinite().all()
     weight = torch.ones(64, dtype=torch.float16)
     out = ch01.rms_norm(x, weight, 1e-6)
-    assert out.isfinite().all() and out.abs().max() > 0.5, (
-        "rms_norm gave inf/nan/zeros for fp16 inputs around 1000: x**2 overflowed fp16. "
-        "Compute the mean of squares in fp32 (x.float()) and cast back at the end."
+    case = "rms_norm(fp16 x [4, 64] of magnitude ~1000, weight 1, eps=1e-6)"
+    hint = (
+        "x**2 overflows fp16 (max 65504): compute the mean of squares in fp32 (x.float()) "
+        "and cast back at the end"
+    )
+    assert out.isfinite().all(), (
+        f"{case}: expected finite values, got {int((~out.isfinite()).sum())} inf/nan of "
+        f"{out.numel()}; hint: {hint}"
+    )
+    assert out.abs().max() > 0.5, (
+        f"{case}: expected values of unit RMS (max |y| > 0.5), got max |y| = "
+        f"{float(out.abs().max()):.3g}; hint: {hint}"
     )
     expected = (x.double() / x.double().pow(2).mean(-1, keepdim=True).sqrt()).half()
-    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    assert_close(out, expected, f"{case} vs fp64", hint, rtol=2e-3, atol=2e-3)
 
 
 def test_ch01_rms_norm_eps_goes_inside_the_square_root(ch01):
     x, weight = torch.full((2, 8), 1e-3), torch.ones(8)
     out = ch01.rms_norm(x, weight, 1e-2)
     expected = torch.full((2, 8), 1e-3 / math.sqrt(1e-6 + 1e-2))  # ~0.01, not 1e-3/(1e-3+1e-2)
-    torch.testing.assert_close(
-        out, expected, msg="expected x / sqrt(mean(x**2) + eps): eps inside the sqrt"
+    assert_close(
+        out,
+        expected,
+        "rms_norm(x all 1e-3, weight 1, eps=1e-2)",
+        "y = x / sqrt(mean(x**2) + eps): eps goes inside the square root, not x / (rms + eps)",
     )
     zeros = ch01.rms_norm(torch.zeros(3, 8), weight, 1e-6)
-    assert torch.equal(zeros, torch.zeros(3, 8)), "an all-zero vector must give zeros, not nan"
+    assert torch.equal(zeros, torch.zeros(3, 8)), (
+        f"rms_norm(all-zero x [3, 8], eps=1e-6): {worst(zeros, torch.zeros(3, 8))}; hint: add "
+        "eps to the mean of squares inside the sqrt, so 0 / sqrt(0 + eps) = 0, not 0/0 = nan"
+    )
     x = randn(5, 16, seed=6, scale=0.1)
     for eps in (0.0, 0.5):  # eps must be the argument, not a constant
-        torch.testing.assert_close(ch01.rms_norm(x, torch.ones(16), eps), RMSNorm(16, eps)(x))
+        assert_close(
+            ch01.rms_norm(x, torch.ones(16), eps),
+            RMSNorm(16, eps)(x),
+            f"rms_norm(x [5, 16] of scale 0.1, weight 1, eps={eps}) vs minillm's RMSNorm",
+            "use the eps argument, not a constant such as 1e-6",
+        )
 
 
 def test_ch01_rms_norm_gives_unit_rms_and_per_channel_gain(ch01):
     x, weight = randn(6, 32, seed=7, scale=3.0), randn(32, seed=8)
     unit = ch01.rms_norm(x, torch.ones(32), 0.0)
     rms = unit.pow(2).mean(-1).sqrt()
-    torch.testing.assert_close(
-        rms, torch.ones(6), msg="each row should have RMS 1 (normalise over the last dim only)"
+    assert_close(
+        rms,
+        torch.ones(6),
+        "RMS of each row of rms_norm(x [6, 32], weight 1, eps=0)",
+        "each row must come out with RMS 1: divide by the RMS of its own last dim only",
     )
-    torch.testing.assert_close(ch01.rms_norm(7.0 * x, torch.ones(32), 0.0), unit)  # scale-free
-    torch.testing.assert_close(ch01.rms_norm(x, weight, 0.0), unit * weight)
+    assert_close(
+        ch01.rms_norm(7.0 * x, torch.ones(32), 0.0),
+        unit,
+        "rms_norm(7 * x) vs rms_norm(x) (weight 1, eps=0)",
+        "RMSNorm is scale-free: divide each row by its own RMS, add or subtract nothing",
+    )
+    assert_close(
+        ch01.rms_norm(x, weight, 0.0),
+        unit * weight,
+        "rms_norm(x, weight) vs rms_norm(x, 1) * weight (eps=0)",
+        "multiply channel i by weight[i] after normalising (weight broadcasts over the last dim)",
+    )
 
 
 # --- rope_frequencies and apply_rotary ------------------------------------------------------
@@ -122,10 +177,29 @@ def minillm_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim, theta", [(64, 10000.0), (128, 500000.0), (8, 10.0)])
 def test_ch01_rope_frequencies_match_minillm_and_transformers(ch01, head_dim, theta):
     inv_freq = ch01.rope_frequencies(head_dim, theta)
-    assert inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
-    torch.testing.assert_close(inv_freq, minillm_inv_freq(head_dim, theta))
-    torch.testing.assert_close(inv_freq, hf_rope(head_dim, theta).inv_freq)
-    assert inv_freq[0] == 1.0 and (inv_freq[1:] < inv_freq[:-1]).all()
+    case = f"rope_frequencies(head_dim={head_dim}, theta={theta:g})"
+    assert inv_freq.shape == (head_dim // 2,), (
+        f"{case}: expected shape ({head_dim // 2},), got {tuple(inv_freq.shape)}; hint: one "
+        "frequency per channel pair, i = 0 .. head_dim/2 - 1 (torch.arange(0, head_dim, 2))"
+    )
+    assert inv_freq.dtype == torch.float32, (
+        f"{case}: expected dtype torch.float32, got {inv_freq.dtype}; hint: build the "
+        "exponents in float32 (torch.arange(..., dtype=torch.float32))"
+    )
+    hint = (
+        "inv_freq[i] = 1 / theta ** (2 * i / head_dim), the exponent in floating point "
+        "(2 * i // head_dim makes every exponent 0)"
+    )
+    assert_close(inv_freq, minillm_inv_freq(head_dim, theta), f"{case} vs minillm", hint)
+    assert_close(inv_freq, hf_rope(head_dim, theta).inv_freq, f"{case} vs transformers", hint)
+    assert inv_freq[0] == 1.0, (
+        f"{case}: expected inv_freq[0] = 1.0 (theta ** 0), got {float(inv_freq[0]):.6g}; hint: "
+        "the exponents start at 0"
+    )
+    assert (inv_freq[1:] < inv_freq[:-1]).all(), (
+        f"{case}: expected strictly decreasing frequencies, got "
+        f"{[round(f, 5) for f in inv_freq[:4].tolist()]} ...; hint: {hint}"
+    )
 
 
 def test_ch01_rope_frequencies_reject_odd_head_dim(ch01):
@@ -150,11 +224,23 @@ POSITIONS = {
 def test_ch01_apply_rotary_matches_minillm_and_transformers(ch01, positions, theta):
     x = randn(2, 3, 5, 16, seed=9)
     out = ch01.apply_rotary(x, positions, theta)
-    assert out.shape == x.shape and out.dtype == x.dtype
-    torch.testing.assert_close(out, minillm_rotary(x, positions, theta), rtol=1e-5, atol=1e-5)
+    case = f"apply_rotary(x [2, 3, 5, 16], positions {list(positions.shape)}, theta={theta:g})"
+    assert out.shape == x.shape, (
+        f"{case}: expected shape {tuple(x.shape)}, got {tuple(out.shape)}; hint: cos/sin are "
+        "[B, T, d]: insert the heads axis ([:, None]) so they broadcast over x [B, H, T, d]"
+    )
+    assert out.dtype == x.dtype, (
+        f"{case}: expected dtype {x.dtype}, got {out.dtype}; hint: return .to(x.dtype)"
+    )
+    hint = (
+        "pair channel i with i + head_dim/2: x * cos + cat(-x2, x1) * sin, the angles "
+        "positions x inv_freq written twice (cat(angles, angles))"
+    )
+    want = minillm_rotary(x, positions, theta)
+    assert_close(out, want, f"{case} vs minillm", hint, rtol=1e-5, atol=1e-5)
     cos, sin = hf_rope(16, theta)(x, positions.expand(2, -1))
     hf_out, _ = hf_apply_rotary(x, x, cos, sin)
-    torch.testing.assert_close(out, hf_out, rtol=1e-5, atol=1e-5)
+    assert_close(out, hf_out, f"{case} vs transformers", hint, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -165,16 +251,31 @@ def test_ch01_apply_rotary_half_precision_keeps_angles_in_fp32(ch01, dtype, tol)
     x = randn(1, 2, 8, 32, seed=10).to(dtype)
     positions = torch.arange(3001, 3009)
     out = ch01.apply_rotary(x, positions, 10000.0)
-    assert out.dtype == dtype, f"apply_rotary returned {out.dtype} for {dtype} input"
+    case = f"apply_rotary({dtype} x [1, 2, 8, 32], positions 3001..3008)"
+    assert out.dtype == dtype, (
+        f"{case}: expected dtype {dtype}, got {out.dtype}; hint: compute in fp32, then cast "
+        "the result back with .to(x.dtype)"
+    )
     expected = minillm_rotary(x.float(), positions, 10000.0).to(dtype)
-    torch.testing.assert_close(
-        out, expected, rtol=tol, atol=tol, msg="far from the fp32 result: angles in half?"
+    assert_close(
+        out,
+        expected,
+        f"{case} vs the fp32 result",
+        f"compute the angles positions x inv_freq in fp32: {dtype} cannot hold 3001 exactly",
+        rtol=tol,
+        atol=tol,
     )
 
 
 def test_ch01_apply_rotary_position_zero_is_identity(ch01):
     x = randn(2, 2, 4, 8, seed=11)
-    torch.testing.assert_close(ch01.apply_rotary(x, torch.zeros(4, dtype=torch.long)), x)
+    assert_close(
+        ch01.apply_rotary(x, torch.zeros(4, dtype=torch.long)),
+        x,
+        "apply_rotary(x [2, 2, 4, 8], positions all 0)",
+        "at position 0 every angle is 0 (cos 1, sin 0): x must come back unchanged; use the "
+        "positions as given, without an offset",
+    )
 
 
 def test_ch01_apply_rotary_preserves_each_pair_norm(ch01):
@@ -187,12 +288,14 @@ def test_ch01_apply_rotary_preserves_each_pair_norm(ch01):
     def pair_norms(t: torch.Tensor) -> torch.Tensor:
         return torch.hypot(t[..., : d // 2], t[..., d // 2 :])
 
-    torch.testing.assert_close(
+    assert_close(
         pair_norms(out),
         pair_norms(x),
+        "norm of each pair (i, i + d/2) after apply_rotary(x [2, 2, 6, 32], random positions)",
+        "a rotation keeps lengths: channel i pairs with i + head_dim/2 (HF's rotate-half "
+        "layout, not (2i, 2i+1)), and cos and sin of a pair use the same angle",
         rtol=1e-4,
         atol=1e-5,
-        msg="pair norms changed: channel i pairs with i + head_dim/2 (HF's rotate-half layout)",
     )
 
 
@@ -210,9 +313,16 @@ def test_ch01_apply_rotary_scores_depend_only_on_relative_position(ch01):
     for distance in (0, 3, 17):
         scores = torch.stack([score(n + distance, n) for n in (0, 5, 100, 777)])
         assert (scores - scores[0]).abs().max() < 1e-4 * scale, (
-            f"q(m)·k(n) changed with m for fixed m - n = {distance}: {scores.tolist()}"
+            f"apply_rotary: q at position n + {distance}, k at n, for n = 0, 5, 100, 777: "
+            f"expected the same q·k each time, got {[round(s, 4) for s in scores.tolist()]}; "
+            "hint: rotate q and k by the same frequencies and pairing, so q·k depends on m - n"
         )
-    assert (score(3, 0) - score(0, 0)).abs() > 1e-3 * scale, "RoPE must change the scores"
+    moved, still = score(3, 0), score(0, 0)
+    assert (moved - still).abs() > 1e-3 * scale, (
+        f"apply_rotary: expected q at position 3 to score differently against k at 0 than q "
+        f"at 0 does, got {float(moved):.6g} and {float(still):.6g}; hint: the angle must grow "
+        "with the position (positions x inv_freq)"
+    )
 
 
 def test_ch01_apply_rotary_offset_positions_match_the_full_sequence(ch01):
@@ -222,12 +332,23 @@ def test_ch01_apply_rotary_offset_positions_match_the_full_sequence(ch01):
     x = randn(2, 2, 10, 16, seed=16)
     full = ch01.apply_rotary(x, torch.arange(10))
     tail = ch01.apply_rotary(x[:, :, 6:], torch.arange(6, 10))
-    torch.testing.assert_close(tail, full[:, :, 6:])
+    assert_close(
+        tail,
+        full[:, :, 6:],
+        "apply_rotary(tokens 6..9 alone, positions 6..9) vs the same tokens in the sequence",
+        "rotate by the positions given, not 0..T-1 of the slice (a KV cache feeds tokens at "
+        "their absolute positions)",
+    )
     positions = torch.stack([torch.arange(10), torch.arange(10) + 50])
     batched = ch01.apply_rotary(x, positions)
     for b in range(2):
         alone = ch01.apply_rotary(x[b : b + 1], positions[b])
-        torch.testing.assert_close(batched[b : b + 1], alone, msg=f"row {b}: use its own positions")
+        assert_close(
+            batched[b : b + 1],
+            alone,
+            f"apply_rotary(x [2, 2, 10, 16], positions [2, 10]): row {b} vs that row alone",
+            "positions [B, T] give each row its own angles: [B, 1, T, d] against x [B, H, T, d]",
+        )
 
 
 # --- repeat_kv ------------------------------------------------------------------------------
@@ -237,15 +358,28 @@ def test_ch01_apply_rotary_offset_positions_match_the_full_sequence(ch01):
 def test_ch01_repeat_kv_matches_transformers(ch01, n_rep):
     x = randn(2, 2, 5, 8, seed=17)
     out = ch01.repeat_kv(x, n_rep)
-    assert out.shape == (2, 2 * n_rep, 5, 8)
-    torch.testing.assert_close(out, hf_repeat_kv(x, n_rep), rtol=0, atol=0)
+    case = f"repeat_kv(x [2, 2, 5, 8], n_rep={n_rep})"
+    assert out.shape == (2, 2 * n_rep, 5, 8), (
+        f"{case}: expected shape {(2, 2 * n_rep, 5, 8)}, got {tuple(out.shape)}; hint: repeat "
+        "dim 1 (the kv heads) n_rep times, nothing else"
+    )
+    assert_close(
+        out,
+        hf_repeat_kv(x, n_rep),
+        f"{case} vs transformers",
+        "query head h reads kv head h // n_rep: 0, 0, 1, 1 (x.repeat tiles 0, 1, 0, 1)",
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_ch01_repeat_kv_keeps_groups_together(ch01):
     x = torch.arange(3.0).view(1, 3, 1, 1).expand(1, 3, 2, 4)  # kv head h is filled with h
     heads = ch01.repeat_kv(x, 2)[0, :, 0, 0].tolist()
     assert heads == [0, 0, 1, 1, 2, 2], (
-        f"query heads read kv heads {heads}: expected 0,0,1,1,2,2 (x.repeat tiles 0,1,2,0,1,2)"
+        f"repeat_kv(3 kv heads, n_rep=2): expected query heads to read kv heads "
+        f"[0, 0, 1, 1, 2, 2], got {heads}; hint: x.repeat tiles 0, 1, 2, 0, 1, 2: add an "
+        "axis after the kv heads, expand it, then reshape (or repeat_interleave on dim 1)"
     )
 
 
@@ -256,7 +390,12 @@ def test_ch01_repeat_kv_attention_matches_sdpa_gqa(ch01):
         q, ch01.repeat_kv(k, 3), ch01.repeat_kv(v, 3), is_causal=True
     )
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(out, ref)
+    assert_close(
+        out,
+        ref,
+        "SDPA over repeat_kv(k, 3), repeat_kv(v, 3) (6 heads, 2 kv heads) vs enable_gqa=True",
+        "query head h reads kv head h // n_rep: 0, 0, 0, 1, 1, 1, not 0, 1, 0, 1, 0, 1",
+    )
 
 
 # --- gqa_attention --------------------------------------------------------------------------
@@ -272,6 +411,12 @@ def attention_inputs(b: int, heads: int, kv_heads: int, t: int, d: int, seed: in
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
     cos, sin = rope_cos_sin(inv_freq, torch.arange(t).expand(b, t))
     return q, k, v, cos, sin
+
+
+GQA_HINT = (
+    "RoPE on q and k (rotate half, cos/sin[:, None]), kv head h // n_rep for query head h, "
+    "scores / sqrt(head_dim), -inf where key j > query i, then softmax over the keys"
+)
 
 
 @pytest.mark.parametrize(
@@ -298,9 +443,15 @@ def test_ch01_gqa_attention_matches_the_models_attention(ch01, heads, kv_heads, 
         k = k.view(b, t, kv_heads, head_dim).transpose(1, 2)
         v = v.view(b, t, kv_heads, head_dim).transpose(1, 2)
         out = ch01.gqa_attention(q, k, v, cos, sin)
-        assert out.shape == (b, heads, t, head_dim), f"shape {tuple(out.shape)}: [B, H, T, d]"
+        case = f"gqa_attention({heads} heads, {kv_heads} kv heads, head_dim {head_dim})"
+        assert out.shape == (b, heads, t, head_dim), (
+            f"{case}: expected shape {(b, heads, t, head_dim)}, got {tuple(out.shape)}; hint: "
+            "one output per query head, [B, H, T, d]: repeat k and v up to H heads"
+        )
         got = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert_close(
+        got, ref, f"o_proj of {case} vs minillm's Attention", GQA_HINT, rtol=1e-4, atol=1e-5
+    )
 
 
 def test_ch01_gqa_attention_matches_sdpa_and_transformers_rope(ch01):
@@ -308,9 +459,15 @@ def test_ch01_gqa_attention_matches_sdpa_and_transformers_rope(ch01):
     out = ch01.gqa_attention(q, k, v, cos, sin)
     q_rot, k_rot = hf_apply_rotary(q, k, cos, sin)  # transformers' RoPE, same tables
     ref = F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    case = "gqa_attention(B 2, 6 heads, 2 kv heads, 9 tokens, d 16)"
+    assert_close(
+        out, ref, f"{case} vs SDPA after transformers' RoPE", GQA_HINT, rtol=1e-4, atol=1e-5
+    )
     unrotated = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert not torch.allclose(out, unrotated, atol=1e-3), "apply RoPE to q and k"
+    assert not torch.allclose(out, unrotated, atol=1e-3), (
+        f"{case}: expected a result different from attention without RoPE, got the unrotated "
+        "one; hint: rotate q and k with cos and sin before computing the scores"
+    )
 
 
 def test_ch01_gqa_attention_is_causal(ch01):
@@ -321,11 +478,21 @@ def test_ch01_gqa_attention_is_causal(ch01):
     k2[:, :, -1] += 5.0
     v2[:, :, -1] -= 5.0
     changed = ch01.gqa_attention(q, k2, v2, cos, sin)
-    torch.testing.assert_close(
-        changed[:, :, :-1], out[:, :, :-1], msg="earlier tokens must not see later ones: mask j > i"
+    assert_close(
+        changed[:, :, :-1],
+        out[:, :, :-1],
+        "gqa_attention: outputs of tokens 0..6 after a change to token 7's k and v only",
+        "earlier tokens must not see later ones: scores of key j > query i set to -inf "
+        "(triu(1)) before the softmax",
     )
     first = v[:, [0, 0, 1, 1], 0]  # query head h reads kv head h // 2
-    torch.testing.assert_close(out[:, :, 0], first, msg="token 0 attends only to itself")
+    assert_close(
+        out[:, :, 0],
+        first,
+        "gqa_attention(4 heads, 2 kv heads): token 0's output vs its own value vector",
+        "token 0 attends only to itself (softmax over one key), and query head h reads kv "
+        "head h // n_rep",
+    )
 
 
 def test_ch01_gqa_attention_query_heads_share_kv_heads_in_groups(ch01):
@@ -335,7 +502,9 @@ def test_ch01_gqa_attention_query_heads_share_kv_heads_in_groups(ch01):
     out = ch01.gqa_attention(q, k, v, cos, sin)
     heads = out[0, :, -1, 0].round().tolist()
     assert heads == [0, 0, 1, 1, 2, 2], (
-        f"query heads read kv heads {heads}: expected 0,0,1,1,2,2 (h // n_rep, not h % kv_heads)"
+        f"gqa_attention(6 heads, 3 kv heads, v of kv head j filled with j): expected query "
+        f"heads to read kv heads [0, 0, 1, 1, 2, 2], got {heads}; hint: query head h reads kv "
+        "head h // n_rep, not h % kv_heads"
     )
 
 
@@ -347,10 +516,15 @@ def test_ch01_gqa_attention_half_precision_computes_in_fp32(ch01, dtype):
     k[:, :, 3] = q[:, 0, 3]  # one key aligned with a query: a score of 102,400 before scaling
     ref = ch01_reference_attention(q, k, v, cos, sin)
     out = ch01.gqa_attention(q.to(dtype), k.to(dtype), v.to(dtype), cos, sin)
-    assert out.dtype == dtype, f"return q's dtype ({dtype}), got {out.dtype}"
+    case = f"gqa_attention({dtype} q, k, v with |q . k| up to 102,400)"
+    hint = "upcast q, k, v to fp32 for RoPE, the scores and the softmax; cast only the output"
+    assert out.dtype == dtype, f"{case}: expected q's dtype {dtype}, got {out.dtype}; hint: {hint}"
     finite = bool(torch.isfinite(out).all())
-    assert finite, "nan/inf in the output: compute the scores and the softmax in fp32"
-    torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02)
+    assert finite, (
+        f"{case}: expected finite values, got {int((~torch.isfinite(out)).sum())} nan/inf of "
+        f"{out.numel()}; hint: {hint} (fp16 overflows past 65504)"
+    )
+    assert_close(out.float(), ref, f"{case} vs fp32", hint, rtol=0.02, atol=0.02)
 
 
 def ch01_reference_attention(q, k, v, cos, sin):
@@ -365,17 +539,34 @@ def ch01_reference_attention(q, k, v, cos, sin):
 
 def test_ch01_causal_mask_square_is_lower_triangular(ch01):
     mask = ch01.causal_mask(6, 6)
-    assert mask.dtype == torch.bool and mask.shape == (6, 6)
-    assert torch.equal(mask, torch.ones(6, 6, dtype=torch.bool).tril())
+    assert mask.dtype == torch.bool, (
+        f"causal_mask(6, 6): expected dtype torch.bool, got {mask.dtype}; hint: compare "
+        "positions (key <= query) to get a bool mask, True = attend"
+    )
+    assert mask.shape == (6, 6), (
+        f"causal_mask(6, 6): expected shape (6, 6), got {tuple(mask.shape)}; hint: "
+        "[q_len, kv_len], no batch or head axes"
+    )
+    assert torch.equal(mask, torch.ones(6, 6, dtype=torch.bool).tril()), (
+        f"causal_mask(6, 6): expected the lower triangle (True where key j <= query i), got "
+        f"{mask.int().tolist()}; hint: True means attend (SDPA's convention), not masked"
+    )
     q, k, v = randn(1, 2, 6, 8, seed=21), randn(1, 2, 6, 8, seed=22), randn(1, 2, 6, 8, seed=23)
-    torch.testing.assert_close(
+    assert_close(
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
         F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "SDPA with attn_mask=causal_mask(6, 6) vs is_causal=True",
+        "a bool attn_mask means True = attend",
     )
 
 
 def test_ch01_causal_mask_decode_step_sees_every_key(ch01):
-    assert torch.equal(ch01.causal_mask(1, 7), torch.ones(1, 7, dtype=torch.bool))
+    mask = ch01.causal_mask(1, 7)
+    assert torch.equal(mask, torch.ones(1, 7, dtype=torch.bool)), (
+        f"causal_mask(1, 7): expected one row of 7 True (a decode query sees every key), got "
+        f"{mask.int().tolist()}; hint: query i sits at position kv_len - q_len + i: align the "
+        "triangle bottom-right (is_causal aligns it top-left)"
+    )
 
 
 def test_ch01_causal_mask_chunk_matches_full_attention(ch01):
@@ -383,7 +574,13 @@ def test_ch01_causal_mask_chunk_matches_full_attention(ch01):
     q, k, v = randn(1, 2, 9, 8, seed=24), randn(1, 2, 9, 8, seed=25), randn(1, 2, 9, 8, seed=26)
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     chunk = F.scaled_dot_product_attention(q[:, :, 5:], k, v, attn_mask=ch01.causal_mask(4, 9))
-    torch.testing.assert_close(chunk, full[:, :, 5:], msg="align the triangle bottom-right")
+    assert_close(
+        chunk,
+        full[:, :, 5:],
+        "SDPA of the last 4 of 9 queries with causal_mask(4, 9) vs those rows of full attention",
+        "query i is at position kv_len - q_len + i: mask[i, j] = j <= i + (kv_len - q_len), "
+        "the triangle aligned bottom-right",
+    )
     with pytest.raises(ValueError):
         ch01.causal_mask(5, 3)
 
@@ -397,7 +594,12 @@ def test_ch01_causal_mask_drives_minillm_transformer(ch01):
     model = Transformer(cfg).eval()
     ids = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, mask=ch01.causal_mask(7, 7)[None, None]), model(ids))
+        assert_close(
+            model(ids, mask=ch01.causal_mask(7, 7)[None, None]),
+            model(ids),
+            "minillm's Transformer logits with mask=causal_mask(7, 7)[None, None] vs without",
+            "a bool mask [q_len, kv_len], True where key j <= query i (True = attend)",
+        )
 
 
 # --- top_p_filter ---------------------------------------------------------------------------
@@ -407,14 +609,38 @@ def kept(logits: torch.Tensor) -> list[int]:
     return torch.isfinite(logits).nonzero().flatten().tolist()
 
 
+def rounded(t: torch.Tensor) -> list[float]:
+    return [round(x, 4) for x in t.flatten().tolist()]
+
+
+def kept_per_row(logits: torch.Tensor) -> list[int]:
+    return torch.isfinite(logits).sum(-1).tolist()
+
+
+TOP_P_HINT = (
+    "keep the smallest set of likeliest tokens whose mass is >= p (the token that crosses p "
+    "is in it), scattered back to vocabulary order; the rest -inf, kept logits unchanged"
+)
+
+
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9, 0.99])
 def test_ch01_top_p_matches_minillm_and_transformers(ch01, p):
     logits = randn(8, 100, seed=28, scale=2.0)
     before = logits.clone()
     out = ch01.top_p_filter(logits, p)
-    assert torch.equal(logits, before), "top_p_filter modified its input"
-    assert torch.equal(out, minillm_top_p(logits, p))
-    assert torch.equal(out, TopPLogitsWarper(p)(None, logits))
+    case = f"top_p_filter(logits [8, 100], p={p})"
+    assert torch.equal(logits, before), (
+        f"{case} modified its input: {worst(logits, before)}; hint: return a new tensor "
+        "(masked_fill, not masked_fill_ on logits)"
+    )
+    for name, ref in [
+        ("minillm's top_p_filter", minillm_top_p(logits, p)),
+        ("transformers' TopPLogitsWarper", TopPLogitsWarper(p)(None, logits)),
+    ]:
+        assert torch.equal(out, ref), (
+            f"{case} vs {name}: expected {kept_per_row(ref)} tokens kept per row, got "
+            f"{kept_per_row(out)} ({worst(out, ref)}); hint: {TOP_P_HINT}"
+        )
 
 
 def test_ch01_top_p_hand_computed_example(ch01):
@@ -424,13 +650,20 @@ def test_ch01_top_p_hand_computed_example(ch01):
     cases = {0.3: [1], 0.6: [1, 3], 0.75: [1, 3, 4], 0.8: [1, 3, 4], 0.96: [0, 1, 2, 3, 4]}
     for p, expected in cases.items():
         out = ch01.top_p_filter(logits, p)
+        case = f"top_p_filter(log of probs [0.05, 0.5, 0.1, 0.2, 0.15], p={p})"
         assert kept(out) == expected, (
-            f"p={p}: kept ids {kept(out)}, expected {expected} (the smallest set of likeliest "
-            "tokens whose mass is >= p: the token that crosses p is in the set)"
+            f"{case}: expected ids {expected} kept, got {kept(out)}; hint: the smallest set of "
+            "likeliest tokens whose mass is >= p: the token that crosses p is in the set"
         )
-        assert torch.equal(out[expected], logits[expected]), "kept logits must be unchanged"
+        assert torch.equal(out[expected], logits[expected]), (
+            f"{case}: expected the kept logits unchanged, {rounded(logits[expected])}, got "
+            f"{rounded(out[expected])}; hint: do not renormalise or return probabilities"
+        )
         dropped = [i for i in range(5) if i not in expected]
-        assert (out[dropped] == float("-inf")).all(), "dropped logits must be -inf"
+        assert (out[dropped] == float("-inf")).all(), (
+            f"{case}: expected -inf at the dropped ids {dropped}, got {rounded(out[dropped])}; "
+            "hint: set dropped tokens to float('-inf'), not 0 or nan"
+        )
 
 
 def test_ch01_top_p_one_keeps_every_token(ch01):
@@ -438,43 +671,89 @@ def test_ch01_top_p_one_keeps_every_token(ch01):
     # exp(-200) underflows to 0, so a running sum reaches p=1 before the last two tokens.
     logits = torch.tensor([[0.0, -200.0, 0.0, -300.0, 0.0, 0.0], [1.0, 5.0, 0.0, -1.0, 2.0, 3.0]])
     out = ch01.top_p_filter(logits, 1.0)
-    assert torch.equal(out, logits), "p=1 must keep every token, even those with probability 0"
+    assert torch.equal(out, logits), (
+        f"top_p_filter(logits [2, 6] with probabilities exactly 0.25 and 0, p=1.0): expected "
+        f"every token kept unchanged: {worst(out, logits)}; hint: return a copy early when "
+        "p == 1: probabilities that underflow to 0 let the running sum reach 1.0 too soon"
+    )
 
 
 def test_ch01_top_p_tiny_p_keeps_only_the_argmax(ch01):
     logits = randn(6, 50, seed=29)
     out = ch01.top_p_filter(logits, 1e-6)
     finite = torch.isfinite(out)
-    assert (finite.sum(-1) == 1).all(), "a tiny p must keep exactly one token per row"
-    assert torch.equal(finite.float().argmax(-1), logits.argmax(-1))
+    case = "top_p_filter(logits [6, 50], p=1e-6)"
+    assert (finite.sum(-1) == 1).all(), (
+        f"{case}: expected 1 token kept per row, got {finite.sum(-1).tolist()}; hint: drop a "
+        "token when the mass ranked above it is >= p, so the likeliest token always stays"
+    )
+    assert torch.equal(finite.float().argmax(-1), logits.argmax(-1)), (
+        f"{case}: expected the argmax ids {logits.argmax(-1).tolist()} kept, got "
+        f"{finite.float().argmax(-1).tolist()}; hint: scatter the decision from sorted order "
+        "back to vocabulary order with the sort's indices"
+    )
 
 
 def test_ch01_top_p_ties(ch01):
     flat = torch.zeros(8)  # 8 tokens of probability 0.125
-    assert len(kept(ch01.top_p_filter(flat, 0.3))) == 3, "0.25 < 0.3 <= 0.375: keep 3 of 8"
+    three = kept(ch01.top_p_filter(flat, 0.3))
+    assert len(three) == 3, (
+        f"top_p_filter(8 equal logits, p=0.3): expected 3 tokens kept (0.25 < 0.3 <= 0.375), "
+        f"got {len(three)}: {three}; hint: keep ties only as far as the mass needs"
+    )
     two_tops = torch.tensor([2.0, 2.0, 0.0, 0.0])  # probabilities 0.44, 0.44, 0.06, 0.06
-    assert kept(ch01.top_p_filter(two_tops, 0.5)) == [0, 1]
+    two = kept(ch01.top_p_filter(two_tops, 0.5))
+    assert two == [0, 1], (
+        f"top_p_filter(logits [2, 2, 0, 0], p=0.5): expected ids [0, 1] kept (0.44 < 0.5), "
+        f"got {two}; hint: {TOP_P_HINT}"
+    )
     one = kept(ch01.top_p_filter(two_tops, 0.4))
-    assert len(one) == 1 and one[0] in (0, 1), f"p=0.4 needs one of the tied tops, kept {one}"
+    case = "top_p_filter(logits [2, 2, 0, 0], p=0.4)"
+    assert len(one) == 1, (
+        f"{case}: expected 1 of the tied tops kept (0.44 >= 0.4), got {one}; hint: keep ties "
+        "only as far as the mass needs: drop a token when the mass ranked above it is >= p"
+    )
+    assert one[0] in (0, 1), f"{case}: expected id 0 or 1 kept, got {one}; hint: {TOP_P_HINT}"
 
 
 def test_ch01_top_p_rows_are_independent(ch01):
     rows = torch.stack([randn(30, seed=30, scale=5.0), randn(30, seed=31, scale=0.1)])
     rows = torch.cat([rows, torch.zeros(1, 30)])  # peaked, nearly flat, flat
     out = ch01.top_p_filter(rows, 0.72)
+    case = "top_p_filter(peaked, nearly flat and flat rows [3, 30], p=0.72)"
+    hint = "softmax, sort and cumsum along the last dim only (dim=-1), never the whole tensor"
     for r in range(3):
-        assert torch.equal(out[r], ch01.top_p_filter(rows[r], 0.72)), f"row {r} depends on others"
+        alone = ch01.top_p_filter(rows[r], 0.72)
+        assert torch.equal(out[r], alone), (
+            f"{case}: row {r} kept {len(kept(out[r]))} tokens, alone {len(kept(alone))} "
+            f"({worst(out[r], alone)}); hint: {hint}"
+        )
     # flat: 21/30 = 0.7 < 0.72 <= 22/30
-    assert len(kept(out[0])) < len(kept(out[1])) <= len(kept(out[2])) == 22
+    assert len(kept(out[0])) < len(kept(out[1])) <= len(kept(out[2])) == 22, (
+        f"{case}: expected fewer tokens kept the more peaked a row, 22 for the flat one "
+        f"(21/30 < 0.72 <= 22/30), got {[len(kept(out[r])) for r in range(3)]}; hint: {TOP_P_HINT}"
+    )
     batched = ch01.top_p_filter(rows.view(3, 1, 30).expand(3, 2, 30), 0.72)  # [..., vocab]
-    assert torch.equal(batched, out[:, None].expand(3, 2, 30))
+    want = out[:, None].expand(3, 2, 30)
+    assert torch.equal(batched, want), (
+        f"top_p_filter(logits [3, 2, 30], p=0.72) vs the rows filtered as [3, 30]: "
+        f"{worst(batched, want)}; hint: {hint}, so any leading dims work"
+    )
 
 
 def test_ch01_top_p_after_top_k(ch01):
     logits = top_k_filter(randn(4, 40, seed=32, scale=2.0), 10)  # already holds -inf
     out = ch01.top_p_filter(logits, 0.8)
-    assert not out.isnan().any()
-    assert torch.equal(out, minillm_top_p(logits, 0.8))
+    case = "top_p_filter(logits [4, 40] after a top-10 cut (30 of them -inf), p=0.8)"
+    assert not out.isnan().any(), (
+        f"{case}: expected no nan, got {int(out.isnan().sum())}; hint: softmax gives -inf "
+        "probability 0; avoid arithmetic on the logits themselves (-inf - -inf = nan)"
+    )
+    ref = minillm_top_p(logits, 0.8)
+    assert torch.equal(out, ref), (
+        f"{case} vs minillm: expected {kept_per_row(ref)} tokens kept per row, got "
+        f"{kept_per_row(out)} ({worst(out, ref)}); hint: {TOP_P_HINT}"
+    )
 
 
 def test_ch01_top_p_rejects_p_outside_0_1(ch01):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exercises.feedback import assert_close, worst
 from minillm.cache import KVCache
 from minillm.model import ModelConfig, Transformer
 
@@ -40,13 +41,18 @@ def random_ids(batch: int, length: int, seed: int, vocab: int = 128) -> torch.Te
     return torch.randint(vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    worst = (actual - expected).abs().amax(dim=(0, 2))  # per position
-    bad = (worst > ATOL).nonzero().flatten().tolist()
+def assert_logits_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, hint: str = ""
+) -> None:
+    hint = f"; hint: {hint}" if hint else ""
+    assert actual.shape == expected.shape, (
+        f"{what}: expected logits of shape {tuple(expected.shape)}, got {tuple(actual.shape)}{hint}"
+    )
+    per_position = (actual - expected).abs().amax(dim=(0, 2))
+    bad = (per_position > ATOL).nonzero().flatten().tolist()
     assert not bad, (
-        f"{what}: logits differ from the reference at positions {bad[:10]} "
-        f"(max |diff| {worst.max():.3g})"
+        f"{what}: expected the reference's logits, got logits that differ at positions "
+        f"{bad[:10]} (max |diff| {per_position.max():.3g}, {ATOL} allowed){hint}"
     )
 
 
@@ -77,24 +83,43 @@ QWEN3_0_6B = {  # head_dim 128 although hidden_size / heads = 64
 def test_ch02_kv_cache_bytes_llama_3_8b_is_128_kib_per_token(ch02):
     per_token = ch02.kv_cache_bytes(LLAMA_3_8B, 1, 1, torch.bfloat16)
     assert per_token == 128 * 1024, (
-        f"Llama-3-8B in bf16 caches 2 * 32 layers * 8 kv heads * 128 * 2 bytes = 128 KiB per "
-        f"token, got {per_token} bytes (GQA: use num_key_value_heads, not num_attention_heads)"
+        f"kv_cache_bytes(Llama-3-8B, 1 token, batch 1, bf16): expected {128 * 1024} bytes "
+        f"(2 x 32 layers x 8 kv heads x 128 x 2 bytes = 128 KiB), got {per_token} bytes; hint: "
+        "2 for K and V, and GQA: use num_key_value_heads, not num_attention_heads"
     )
-    assert ch02.kv_cache_bytes(LLAMA_3_8B, 8192, 1, torch.bfloat16) == 2**30  # 1 GiB
-    assert ch02.kv_cache_bytes(LLAMA_3_8B, 8192, 4, torch.float32) == 8 * 2**30
-    assert isinstance(per_token, int)
+    got = ch02.kv_cache_bytes(LLAMA_3_8B, 8192, 1, torch.bfloat16)
+    assert got == 2**30, (  # 1 GiB
+        f"kv_cache_bytes(Llama-3-8B, 8192 tokens, batch 1, bf16): expected {2**30} bytes "
+        f"(1 GiB), got {got}; hint: the bytes of one token times the number of tokens"
+    )
+    got = ch02.kv_cache_bytes(LLAMA_3_8B, 8192, 4, torch.float32)
+    assert got == 8 * 2**30, (
+        f"kv_cache_bytes(Llama-3-8B, 8192 tokens, batch 4, fp32): expected {8 * 2**30} bytes "
+        f"(8 GiB), got {got}; hint: bytes per element from the dtype (dtype.itemsize: 4 for "
+        "fp32), and times the batch"
+    )
+    assert isinstance(per_token, int), (
+        f"kv_cache_bytes(Llama-3-8B, 1 token, batch 1, bf16): expected an int, got "
+        f"{type(per_token).__name__} {per_token!r}; hint: bytes are whole numbers: multiply "
+        "ints (dtype.itemsize, // for head_dim), do not divide with /"
+    )
 
 
 def test_ch02_kv_cache_bytes_without_kv_heads_is_multi_head(ch02):
     got = ch02.kv_cache_bytes(LLAMA_2_7B, 1, 1, torch.float16)
-    assert got == 512 * 1024, f"Llama-2-7B (MHA, 32 kv heads) is 512 KiB per token, got {got}"
+    assert got == 512 * 1024, (
+        f"kv_cache_bytes(Llama-2-7B, 1 token, batch 1, fp16): expected {512 * 1024} bytes "
+        f"(512 KiB: multi-head, 32 kv heads), got {got}; hint: this config has no "
+        "num_key_value_heads: then every query head has its own kv head"
+    )
 
 
 def test_ch02_kv_cache_bytes_uses_explicit_head_dim(ch02):
     got = ch02.kv_cache_bytes(QWEN3_0_6B, 1, 1, torch.bfloat16)
     assert got == 2 * 28 * 8 * 128 * 2, (
-        f"got {got}: this config sets head_dim = 128, not hidden_size / heads = 64; "
-        "use config['head_dim'] when present"
+        f"kv_cache_bytes(Qwen3-0.6B, 1 token, batch 1, bf16): expected {2 * 28 * 8 * 128 * 2} "
+        f"bytes, got {got}; hint: this config sets head_dim = 128, not hidden_size / heads = "
+        "64: use config['head_dim'] when present"
     )
 
 
@@ -113,8 +138,9 @@ def test_ch02_kv_cache_bytes_matches_minillm_allocation(ch02, kwargs, dtype):
     cache = KVCache(cfg, batch_size=5, max_len=37, dtype=dtype)
     got = ch02.kv_cache_bytes(cfg.to_hf(), 37, 5, dtype)
     assert got == cache.nbytes, (
-        f"expected {cache.nbytes} bytes (what minillm's KVCache allocates for 5 rows of 37 "
-        f"tokens in {dtype}), got {got}: K and V, every layer, kv head, position and row"
+        f"kv_cache_bytes(3 layers, hidden 64, {kwargs}, 37 tokens, batch 5, {dtype}): "
+        f"expected {cache.nbytes} bytes (what minillm's KVCache allocates), got {got}; hint: "
+        "K and V, every layer, kv head, position and row; head_dim from the config if it has one"
     )
 
 
@@ -139,7 +165,7 @@ def window_cache(ch02, model: Transformer, batch: int, window: int, dtype=torch.
 def run_in_chunks(model: Transformer, cache, ids: torch.Tensor, chunks: list[int], start=0):
     """Feed ids [B, L] at positions start.. through the cache in steps of the given sizes;
     all logits [B, L, V]."""
-    assert sum(chunks) == ids.shape[1]
+    assert sum(chunks) == ids.shape[1], f"test set-up: chunks {chunks} != {ids.shape[1]} tokens"
     out, done = [], 0
     for n in chunks:
         positions = torch.arange(start + done, start + done + n).expand(ids.shape[0], -1)
@@ -150,6 +176,12 @@ def run_in_chunks(model: Transformer, cache, ids: torch.Tensor, chunks: list[int
 
 def prefill_then_decode(prompt_len: int, length: int) -> list[int]:
     return [prompt_len] + [1] * (length - prompt_len)
+
+
+WINDOW_HINT = (
+    "query at position p sees positions p - window + 1 .. p: attend over the ring as it was "
+    "plus this step's tokens, masking slots by the position each one holds (slot = p % window)"
+)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +196,13 @@ def test_ch02_sliding_window_decode_matches_banded_dense_forward(ch02, model, wi
         expected = model(ids, mask=banded_mask(30, window))
     cache = window_cache(ch02, model, 2, window)
     got = run_in_chunks(model, cache, ids, prefill_then_decode(prompt_len, 30))
-    assert_logits_close(got, expected, f"window={window}, prompt of {prompt_len}")
+    assert_logits_close(
+        got,
+        expected,
+        f"SlidingWindowCache(window={window}), a prompt of {prompt_len} then 1 token a step, "
+        "vs the banded dense forward",
+        WINDOW_HINT,
+    )
 
 
 @pytest.mark.parametrize(
@@ -179,7 +217,13 @@ def test_ch02_sliding_window_chunks_of_any_size_match_banded_dense_forward(ch02,
     with torch.no_grad():
         expected = model(ids, mask=banded_mask(30, window))
     got = run_in_chunks(model, window_cache(ch02, model, 2, window), ids, chunks)
-    assert_logits_close(got, expected, f"window={window}, chunks {chunks}")
+    assert_logits_close(
+        got,
+        expected,
+        f"SlidingWindowCache(window={window}) fed in chunks {chunks} vs the banded dense forward",
+        "read the ring before writing it: a chunk longer than the window needs its own early "
+        "tokens, then only its last window tokens are stored",
+    )
 
 
 def test_ch02_sliding_window_is_not_full_attention(ch02, model):
@@ -193,8 +237,21 @@ def test_ch02_sliding_window_is_not_full_attention(ch02, model):
         for x in (ids, other)
     ]
     # With 2 layers, information travels back at most 2 * (window - 1) = 6 positions.
-    torch.testing.assert_close(got[0][:, 19], got[1][:, 19], atol=ATOL, rtol=0)
-    assert (got[0][:, 9] - got[1][:, 9]).abs().max() > 1e-2
+    assert_close(
+        got[0][:, 19],
+        got[1][:, 19],
+        "SlidingWindowCache(window=4): logits at position 19 after a change to tokens 0..9",
+        "position 19 must not see positions older than 19 - window + 1: mask ring slots by "
+        "the position they hold, and empty slots too",
+        atol=ATOL,
+        rtol=0,
+    )
+    moved = (got[0][:, 9] - got[1][:, 9]).abs().max()
+    assert moved > 1e-2, (
+        f"SlidingWindowCache(window=4): expected position 9's logits to change with tokens "
+        f"0..9, got max |diff| {float(moved):.3g}; hint: a query must see its own token and "
+        "the window - 1 before it"
+    )
 
 
 def test_ch02_sliding_window_wide_window_equals_full_attention(ch02, model):
@@ -208,7 +265,12 @@ def test_ch02_sliding_window_wide_window_equals_full_attention(ch02, model):
     assert_logits_close(full, uncached, "minillm KVCache (reference check)")
     for window in (24, 64):
         got = run_in_chunks(model, window_cache(ch02, model, 2, window), ids, chunks)
-        assert_logits_close(got, uncached, f"window={window} >= 24 tokens")
+        assert_logits_close(
+            got,
+            uncached,
+            f"SlidingWindowCache(window={window}) over 24 tokens vs the plain causal model",
+            "with window >= length no token leaves the band: every earlier position is seen",
+        )
 
 
 def tensor_bytes(obj) -> int:
@@ -233,22 +295,37 @@ def test_ch02_sliding_window_memory_is_independent_of_length(ch02, model):
     cfg, window = model.config, 8
     cache = window_cache(ch02, model, 2, window)
     expected = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * window * cfg.head_dim * 4
+    case = (
+        f"SlidingWindowCache({cfg.num_hidden_layers} layers, batch 2, "
+        f"{cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim}, window {window}, fp32)"
+    )
     assert cache.nbytes == expected, (
-        f"nbytes = {cache.nbytes}: expected 2 (K, V) x layers x batch x kv_heads x window x "
-        f"head_dim x 4 bytes = {expected}"
+        f"{case}.nbytes: expected {expected}, got {cache.nbytes}; hint: 2 (K, V) x layers x "
+        "batch x kv_heads x window x head_dim x 4 bytes"
     )
     ids = random_ids(2, 100, seed=10)
     run_in_chunks(model, cache, ids[:, :20], prefill_then_decode(12, 20))
     after_20 = tensor_bytes(cache)
     run_in_chunks(model, cache, ids[:, 20:], [1] * 5 + [15] * 5, start=20)
-    assert cache.nbytes == expected
-    assert tensor_bytes(cache) == after_20, (
-        f"the cache holds {tensor_bytes(cache)} bytes of tensors after 100 tokens but "
-        f"{after_20} after 20: a sliding-window cache must not grow with the sequence"
+    assert cache.nbytes == expected, (
+        f"{case}.nbytes after 100 tokens: expected {expected} (as at the start), got "
+        f"{cache.nbytes}; hint: K and V keep their window slots: never reallocate them"
     )
-    assert after_20 < 2 * expected, "the cache holds much more than its K and V buffers"
+    assert tensor_bytes(cache) == after_20, (
+        f"{case}: expected its tensors to hold {after_20} bytes after 100 tokens (as after "
+        f"20), got {tensor_bytes(cache)}; hint: a sliding-window cache must not grow: write "
+        "into the ring's slots, never keep a torch.cat of old and new K/V"
+    )
+    assert after_20 < 2 * expected, (
+        f"{case}: expected its tensors to take about {expected} bytes (K and V), got "
+        f"{after_20} after 20 tokens; hint: keep K and V [layers, batch, kv_heads, window, "
+        "head_dim] and at most a small table of the position in each slot"
+    )
     half = window_cache(ch02, model, 2, window, torch.bfloat16)
-    assert half.nbytes == expected // 2, "a bf16 cache takes half the bytes of an fp32 one"
+    assert half.nbytes == expected // 2, (
+        f"{case} in bf16: expected nbytes {expected // 2} (half of fp32's), got {half.nbytes}; "
+        "hint: allocate K and V in the dtype argument and count bytes from the tensors"
+    )
 
 
 def test_ch02_sliding_window_long_run_matches_banded_dense_forward(ch02, model):
@@ -257,7 +334,14 @@ def test_ch02_sliding_window_long_run_matches_banded_dense_forward(ch02, model):
     with torch.no_grad():
         expected = model(ids, mask=banded_mask(48, 7))
     got = run_in_chunks(model, window_cache(ch02, model, 1, 7), ids, [10] + [1] * 38)
-    assert_logits_close(got, expected, "48 tokens, window=7")
+    assert_logits_close(
+        got,
+        expected,
+        "SlidingWindowCache(window=7), a prompt of 10 then 38 steps (laps of the ring), vs the "
+        "banded dense forward",
+        "slot = position % window; track which position each slot holds, so that overwritten "
+        "and too-old slots are masked",
+    )
 
 
 def test_ch02_sliding_window_rejects_window_below_one(ch02, model):
@@ -291,14 +375,28 @@ def test_ch02_fork_cache_one_prompt_into_n_samples(ch02, model):
     with torch.no_grad():
         model(prompt, cache=cache)
     forked = ch02.fork_cache(cache, [0, 0, 0])
-    assert type(forked) is type(cache), "fork_cache must return the same kind of cache"
-    assert forked.k.shape[1] == 3 and forked.v.shape[1] == 3, "batch is dim 1 of k and v"
+    case = "fork_cache(KVCache of 1 row, [0, 0, 0])"
+    assert type(forked) is type(cache), (
+        f"{case}: expected a {type(cache).__name__}, got a {type(forked).__name__}; hint: "
+        "return the same kind of cache (a copy of the object, with new k and v)"
+    )
+    for name in ("k", "v"):
+        shape = tuple(getattr(forked, name).shape)
+        assert shape[1] == 3, (
+            f"{case}: expected {name} with 3 rows on dim 1, got {name} of shape {shape}; "
+            "hint: the cache's k and v are [layers, batch, kv_heads, max_len, head_dim]: "
+            "select rows along dim 1"
+        )
     tokens = random_ids(3, 4, seed=13)
     got = decode(model, forked, tokens, start=7)
     for row in range(3):
         seq = prompt[0].tolist() + tokens[row].tolist()
         assert_logits_close(
-            got[row : row + 1], uncached_last_logits(model, seq, 4)[None], f"forked row {row}"
+            got[row : row + 1],
+            uncached_last_logits(model, seq, 4)[None],
+            f"{case}: row {row} decoding 4 tokens of its own vs its sequence without a cache",
+            "row i of the fork must be a full copy of row parent_rows[i], every layer, with "
+            "kv_len and the rest of the cache's state carried over",
         )
 
 
@@ -317,7 +415,10 @@ def test_ch02_fork_cache_reorders_rows_with_repeats(ch02, model, parents):
         assert_logits_close(
             got[row : row + 1],
             uncached_last_logits(model, seq, 3)[None],
-            f"row {row} of the fork (parent row {parent})",
+            f"fork_cache(cache of 4 rows, {parents}): row {row} (parent row {parent}) decoding "
+            "vs its sequence without a cache",
+            "row i of the fork is row parent_rows[i] of the cache, in that order; a repeated "
+            "parent gives two independent copies",
         )
 
 
@@ -331,21 +432,47 @@ def test_ch02_fork_cache_leaves_the_original_untouched(ch02, model):
     kv_len = cache.kv_len
     for parents in ([0, 1], [1, 1, 1]):
         forked = ch02.fork_cache(cache, parents)
-        assert forked is not cache
-        decode(model, forked, random_ids(len(parents), 3, seed=17), start=6)
-        assert torch.equal(cache.k, k_before) and torch.equal(cache.v, v_before), (
-            f"fork_cache(cache, {parents}) shares memory with the original: decoding into the "
-            "fork changed it (copy with index_select / advanced indexing, not a view)"
+        case = f"fork_cache(cache of 2 rows, {parents})"
+        assert forked is not cache, (
+            f"{case}: expected a new cache, got the original object back; hint: copy the "
+            "cache (copy.copy) and give the copy its own k and v"
         )
-        assert cache.k.shape[1] == 2 and cache.kv_len == kv_len
-        assert forked.kv_len == kv_len and forked.max_len == cache.max_len
+        decode(model, forked, random_ids(len(parents), 3, seed=17), start=6)
+        for name, before in (("k", k_before), ("v", v_before)):
+            after = getattr(cache, name)
+            assert torch.equal(after, before), (
+                f"{case}: decoding into the fork changed the original's {name}: "
+                f"{worst(after, before)}; hint: the fork shares memory with the original: "
+                "copy with index_select / advanced indexing, not a view or the same tensor"
+            )
+        assert cache.k.shape[1] == 2, (
+            f"{case}: expected the original to keep 2 rows, got k of shape "
+            f"{tuple(cache.k.shape)}; hint: set the new k and v on the copy, not on `cache`"
+        )
+        assert cache.kv_len == kv_len, (
+            f"{case}: expected the original's kv_len to stay {kv_len}, got {cache.kv_len}; "
+            "hint: change attributes on the copy only"
+        )
+        assert forked.kv_len == kv_len, (
+            f"{case}: expected the fork's kv_len {kv_len} (the original's), got "
+            f"{forked.kv_len}; hint: the fork continues where the original is: keep its state"
+        )
+        assert forked.max_len == cache.max_len, (
+            f"{case}: expected the fork's max_len {cache.max_len}, got {forked.max_len}; "
+            "hint: copy every row's max_len slots, not only the filled ones"
+        )
     # And the original still decodes its own continuation correctly.
     tokens = random_ids(2, 2, seed=18)
     got = decode(model, cache, tokens, start=6)
     for row in range(2):
         seq = prompts[row].tolist() + tokens[row].tolist()
         assert_logits_close(
-            got[row : row + 1], uncached_last_logits(model, seq, 2)[None], f"original row {row}"
+            got[row : row + 1],
+            uncached_last_logits(model, seq, 2)[None],
+            f"the original cache after two fork_cache calls: row {row} decoding vs its "
+            "sequence without a cache",
+            "the forks must own their memory, so that nothing written into them reaches the "
+            "original",
         )
 
 
@@ -382,11 +509,17 @@ def test_ch02_cache_update_writes_each_row_at_its_positions(ch02, positions):
     k_ptr = cache_k.data_ptr()
     ch02.cache_update(cache_k, cache_v, k, v, positions)
     loop_update(ref_k, ref_v, k, v, positions)
-    assert cache_k.data_ptr() == k_ptr, "write into the buffers (in place), do not rebind them"
-    torch.testing.assert_close(
-        cache_k, ref_k, equal_nan=True, msg="K: slot positions[b, t] of row b"
+    case = f"cache_update(positions {positions.tolist()})"
+    assert cache_k.data_ptr() == k_ptr, (
+        f"{case}: expected cache_k to keep its memory, got new storage; hint: write into the "
+        "buffers in place (cache_k[...] = ...), do not replace them"
     )
-    torch.testing.assert_close(cache_v, ref_v, msg="V: slot positions[b, t] of row b")
+    hint = (
+        "token t of row b goes to slot positions[b, t] of row b, all kv heads; no other slot "
+        "changes (advanced indexing [rows, :, positions] puts the indexed dims first)"
+    )
+    assert_close(cache_k, ref_k, f"{case}: cache_k", hint, equal_nan=True)
+    assert_close(cache_v, ref_v, f"{case}: cache_v", hint)
 
 
 def test_ch02_cache_update_writes_through_a_layer_view_in_the_caches_dtype(ch02):
@@ -395,11 +528,26 @@ def test_ch02_cache_update_writes_through_a_layer_view_in_the_caches_dtype(ch02)
     cache_v = torch.zeros(3, 1, 2, 6, 4, dtype=torch.bfloat16)
     k, v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
     ch02.cache_update(cache_k[1], cache_v[1], k, v, torch.tensor([[2, 3]]))
-    assert cache_k.dtype == torch.bfloat16
-    torch.testing.assert_close(cache_k[1, :, :, 2:4], k.to(torch.bfloat16))
-    torch.testing.assert_close(cache_v[1, :, :, 2:4], v.to(torch.bfloat16))
-    assert not cache_k[0].any() and not cache_k[2].any(), "other layers untouched"
-    assert not cache_k[1, :, :, [0, 1, 4, 5]].any(), "other slots untouched"
+    case = "cache_update(layer 1's view of a bf16 cache [3, 1, 2, 6, 4], positions [[2, 3]])"
+    assert cache_k.dtype == torch.bfloat16, (
+        f"{case}: expected the cache to stay torch.bfloat16, got {cache_k.dtype}; hint: "
+        "write into the view in place, never replace the cache's storage"
+    )
+    hint = "write into the view passed in, in place, casting k and v with .to(cache_k.dtype)"
+    assert_close(cache_k[1, :, :, 2:4], k.to(torch.bfloat16), f"{case}: K slots 2, 3", hint)
+    assert_close(cache_v[1, :, :, 2:4], v.to(torch.bfloat16), f"{case}: V slots 2, 3", hint)
+    for layer in (0, 2):
+        assert not cache_k[layer].any(), (
+            f"{case}: expected layer {layer} untouched (all 0), got "
+            f"{int(cache_k[layer].count_nonzero())} nonzero values; hint: write only into the "
+            "[B, KV, max_len, d] view you are given"
+        )
+    others = cache_k[1, :, :, [0, 1, 4, 5]]
+    assert not others.any(), (
+        f"{case}: expected slots 0, 1, 4, 5 untouched (all 0), got "
+        f"{int(others.count_nonzero())} nonzero values; hint: token t goes to slot "
+        "positions[b, t] only"
+    )
 
 
 class UpdateCache(KVCache):
@@ -433,8 +581,20 @@ def test_ch02_cache_update_drives_the_model(ch02, model):
     got = torch.stack(got, dim=1)  # [2, 4, vocab]
     for b, p in enumerate(prompts):
         want = uncached_last_logits(model, p + steps[b].tolist(), 4 + len(p))
-        assert_logits_close(prefill[b : b + 1, : len(p)], want[None, : len(p)], f"prefill row {b}")
-        assert_logits_close(got[b : b + 1], want[None, len(p) :], f"decode row {b}")
+        hint = "each row writes its tokens at its own positions (row b, slot positions[b, t])"
+        assert_logits_close(
+            prefill[b : b + 1, : len(p)],
+            want[None, : len(p)],
+            f"KVCache with your cache_update: prefill of row {b} ({len(p)} tokens) vs uncached",
+            hint,
+        )
+        assert_logits_close(
+            got[b : b + 1],
+            want[None, len(p) :],
+            f"KVCache with your cache_update: 4 decode steps of row {b} (from position "
+            f"{len(p)}) vs uncached",
+            hint,
+        )
 
 
 # --- decode_step ----------------------------------------------------------------------------
@@ -467,13 +627,25 @@ def test_ch02_decode_step_greedy_matches_the_uncached_model(ch02, model):
         positions = lengths + step
         before = positions.clone()
         logits = ch02.decode_step(model, cache, tokens, positions)
+        case = f"decode_step(3 rows at positions {before.tolist()}, greedy step {step})"
         assert logits.shape == (3, model.config.vocab_size), (
-            f"logits {tuple(logits.shape)}: one row of vocab logits per sequence, [B, vocab]"
+            f"{case}: expected logits of shape {(3, model.config.vocab_size)}, got "
+            f"{tuple(logits.shape)}; hint: the model returns [B, 1, vocab] for one token per "
+            "row: return that position's logits, [B, vocab]"
         )
-        assert torch.equal(positions, before), "do not change the positions you are given"
+        assert torch.equal(positions, before), (
+            f"{case}: expected the positions tensor unchanged, got {positions.tolist()}; hint: "
+            "do not change the positions you are given (no in-place += on them)"
+        )
         for b in range(3):
             want = uncached_last_logits(model, seqs[b], 1)
-            assert_logits_close(logits[b : b + 1, None], want[None], f"step {step}, row {b}")
+            assert_logits_close(
+                logits[b : b + 1, None],
+                want[None],
+                f"{case}: row {b} vs the uncached model on its whole sequence",
+                "feed tokens [B, 1] at positions [B, 1], each row's own, with cache.kv_len = "
+                "the slots filled so far, this token's included",
+            )
 
 
 def test_ch02_decode_step_reads_only_the_filled_slots(ch02, model):
@@ -481,12 +653,16 @@ def test_ch02_decode_step_reads_only_the_filled_slots(ch02, model):
     cache, logits, lengths = prefill_rows(model, [[1, 2, 3, 4], [5, 6]], 32)
     ch02.decode_step(model, cache, logits.argmax(-1), lengths)
     assert cache.kv_len == 5, (
-        f"cache.kv_len = {cache.kv_len} after a step at positions {lengths.tolist()}: "
-        "set it to max(positions) + 1 (attention reads that many slots)"
+        f"decode_step(2 rows at positions {lengths.tolist()}, max_len 32): expected "
+        f"cache.kv_len = 5, got {cache.kv_len}; hint: set it to max(positions) + 1 (attention "
+        "reads that many slots), not max_len"
     )
 
 
 def test_ch02_decode_step_records_no_autograd_graph(ch02, model):
     cache, logits, lengths = prefill_rows(model, [[1, 2, 3]], 8)
     out = ch02.decode_step(model, cache, logits.argmax(-1), lengths)
-    assert not out.requires_grad, "run the step under torch.inference_mode()"
+    assert not out.requires_grad, (
+        f"decode_step: expected logits with no autograd graph, got requires_grad=True "
+        f"({type(out.grad_fn).__name__}); hint: run the step under torch.inference_mode()"
+    )

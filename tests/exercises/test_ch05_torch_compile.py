@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
+from exercises.feedback import worst
 from minillm import SamplingParams, generate, load_model
 from minillm.model import Transformer
 
@@ -70,13 +71,21 @@ def test_ch05_static_attention_matches_reference_with_ragged_rows_and_grouped_he
         expected_k[b, :, positions[b]] = k[b]
         expected_v[b, :, positions[b]] = v[b]
     out = ch05.static_attention(q, k, v, k_cache, v_cache, positions)
-    assert out.shape == q.shape, f"returns {tuple(out.shape)}, expected q's shape {tuple(q.shape)}"
+    case = (
+        "static_attention(B 2, 4 heads, 2 kv heads, 3 tokens at positions [[2, 3, 4], "
+        "[6, 7, 8]], 12 slots)"
+    )
+    assert out.shape == q.shape, (
+        f"{case}: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}; hint: one "
+        "output per query head and token, [B, H, T, D]"
+    )
     ref = reference_attention(q, expected_k, expected_v, positions)
-    worst = (out - ref).abs().max().item()
-    assert worst < 1e-5, (
-        f"attention differs from the reference by {worst:.3g}: each query at position p sees "
-        "slots 0..p of its own row (this step's tokens included), scale 1/sqrt(head_dim), "
-        "kv head j serving query heads j*rep .. (j+1)*rep - 1"
+    err = (out - ref).abs().max().item()
+    assert err < 1e-5, (
+        f"{case}: expected the row-by-row reference (max |diff| < 1e-5), got max |diff| "
+        f"{err:.3g}; hint: each query at position p sees slots 0..p of its own row (this "
+        "step's tokens included), scale 1/sqrt(head_dim), kv head j serving query heads "
+        "j*rep .. (j+1)*rep - 1"
     )
 
 
@@ -85,16 +94,28 @@ def test_ch05_static_attention_writes_the_cache_in_place_at_the_positions(ch05):
     before_k, before_v = k_cache.clone(), v_cache.clone()
     positions = torch.tensor([[0, 1, 2], [5, 6, 7]])
     ch05.static_attention(q, k, v, k_cache, v_cache, positions)
+    case = "static_attention(positions [[0, 1, 2], [5, 6, 7]], caches of 12 slots)"
+    hint = (
+        "write into the k_cache and v_cache passed in (in place), token t of row b at slot "
+        "positions[b, t], every kv head"
+    )
     for b in range(2):
         for t in range(3):
             p = int(positions[b, t])
-            assert torch.equal(k_cache[b, :, p], k[b, :, t]), f"k not in slot {p} of row {b}"
-            assert torch.equal(v_cache[b, :, p], v[b, :, t]), f"v not in slot {p} of row {b}"
+            for name, cache, new in (("k", k_cache, k), ("v", v_cache, v)):
+                assert torch.equal(cache[b, :, p], new[b, :, t]), (
+                    f"{case}: expected {name}[{b}, :, {t}] in slot {p} of row {b} of "
+                    f"{name}_cache: {worst(cache[b, :, p], new[b, :, t])}; hint: {hint}"
+                )
     written = torch.zeros(2, 12, dtype=torch.bool)
     written[torch.arange(2)[:, None], positions] = True
     untouched = ~written[:, None, :, None].expand_as(k_cache)
-    assert torch.equal(k_cache[untouched], before_k[untouched]), "other slots of K changed"
-    assert torch.equal(v_cache[untouched], before_v[untouched]), "other slots of V changed"
+    for name, cache, before in (("K", k_cache, before_k), ("V", v_cache, before_v)):
+        assert torch.equal(cache[untouched], before[untouched]), (
+            f"{case}: expected the other slots of {name} unchanged, got "
+            f"{int((cache[untouched] != before[untouched]).sum())} changed values; hint: write "
+            "at positions[b, t] only: no clearing, shifting or appending"
+        )
 
 
 def test_ch05_static_attention_ignores_slots_past_each_position(ch05):
@@ -104,7 +125,11 @@ def test_ch05_static_attention_ignores_slots_past_each_position(ch05):
     junk_k, junk_v = k_cache.clone(), v_cache.clone()
     junk_k[0, :, 4:], junk_v[0, :, 4:] = 1e4, -1e4  # past row 0's position: must not matter
     again = ch05.static_attention(q, k, v, junk_k, junk_v, positions)
-    assert torch.allclose(out, again, atol=1e-5), "slots past a query's position leak into it"
+    assert torch.allclose(out, again, atol=1e-5), (
+        f"static_attention(one token a row, at positions [[3], [9]]): expected the same output "
+        f"with junk in row 0's slots 4.., got max |diff| {(out - again).abs().max():.3g}; hint: "
+        "slots past a query's position leak into it: mask slot s when s > the query's position"
+    )
 
 
 def decode_compiled(ch05, model: Transformer, prompts: list[list[int]], steps: int):
@@ -145,13 +170,22 @@ def decode_compiled(ch05, model: Transformer, prompts: list[list[int]], steps: i
 def test_ch05_static_attention_compiles_to_one_graph_without_recompiles(ch05, bundled):
     _, counter = decode_compiled(ch05, bundled, PROMPTS, STEPS)
     recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
-    assert counter.frame_count == 1 and counters["stats"]["unique_graphs"] == 1, (
-        f"{counter.frame_count} graphs for {STEPS} decode steps (expected 1): a shape or a "
-        "Python value changed between steps, so dynamo compiled again. Slice nothing by "
-        "position; attend over all max_len slots"
+    case = f"the decode step with static_attention, compiled, over {STEPS} steps"
+    hint = (
+        "a shape or a Python value changed between steps, so dynamo compiled again: slice "
+        "nothing by position, attend over all max_len slots, keep positions as tensors"
     )
-    assert recompiles == 0, f"{recompiles} recompiles"
-    assert counter.op_count > 0, "the compiled graph holds no ops"
+    assert counter.frame_count == 1, (
+        f"{case}: expected 1 compiled frame, got {counter.frame_count}; hint: {hint}"
+    )
+    assert counters["stats"]["unique_graphs"] == 1, (
+        f"{case}: expected 1 graph, got {counters['stats']['unique_graphs']}; hint: {hint}"
+    )
+    assert recompiles == 0, f"{case}: expected 0 recompiles, got {recompiles}; hint: {hint}"
+    assert counter.op_count > 0, (
+        f"{case}: expected ops in the compiled graph, got {counter.op_count}; hint: the "
+        "attention must be torch operations dynamo can trace"
+    )
 
 
 def test_ch05_static_attention_compiled_tokens_equal_eager_generate(ch05, bundled):
@@ -159,6 +193,7 @@ def test_ch05_static_attention_compiled_tokens_equal_eager_generate(ch05, bundle
     greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     expected = generate(bundled, PROMPTS, greedy)  # chapter 02's eager cached path, ragged rows
     assert tokens == expected, (
-        f"compiled static decode gave {tokens}, chapter 02's generate {expected}: check the "
-        "positions written, the mask per row and the grouped heads"
+        f"greedy decode with static_attention compiled, prompts of 16 and 11 tokens: expected "
+        f"chapter 02's generate {expected}, got {tokens}; hint: check the positions written, "
+        "the mask per row and the grouped heads"
     )

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from exercises.feedback import assert_close
 from minillm.cache import BlockManager
 from minillm.cache.block_manager import PagedSequence
 from minillm.kernels.paged_attention import gather_kv as minillm_gather_kv
@@ -29,19 +30,44 @@ def raises_runtime_error(fn, *args) -> None:
 
 
 def test_ch07_block_hash_is_deterministic_and_takes_lists_or_tuples(ch07):
-    assert ch07.block_hash(None, [1, 2, 3]) == ch07.block_hash(None, (1, 2, 3))
+    of_list, of_tuple = ch07.block_hash(None, [1, 2, 3]), ch07.block_hash(None, (1, 2, 3))
+    assert of_list == of_tuple, (
+        f"block_hash(None, [1, 2, 3]) and block_hash(None, (1, 2, 3)): expected the same hash, "
+        f"got {of_list} and {of_tuple}; hint: hash the tokens as a tuple (tuple(token_ids)), "
+        "so that a list and a tuple agree"
+    )
     h = ch07.block_hash(None, [1, 2])
-    assert isinstance(h, int)
-    assert ch07.block_hash(h, [3, 4]) == ch07.block_hash(ch07.block_hash(None, (1, 2)), (3, 4))
+    assert isinstance(h, int), (
+        f"block_hash(None, [1, 2]): expected an int, got {type(h).__name__} {h!r:.60}; "
+        "hint: Python's hash() of a tuple is an int"
+    )
+    again, fresh = (
+        ch07.block_hash(h, [3, 4]),
+        ch07.block_hash(ch07.block_hash(None, (1, 2)), (3, 4)),
+    )
+    assert again == fresh, (
+        f"block_hash(h, [3, 4]) with h = block_hash(None, [1, 2]), computed twice: expected "
+        f"the same hash, got {again} and {fresh}; hint: depend on prev_hash and the tokens "
+        "only (no counter, no id(), no randomness)"
+    )
 
 
 def test_ch07_block_hash_depends_on_the_tokens_and_the_prefix(ch07):
     a, b = ch07.block_hash(None, [1, 2]), ch07.block_hash(None, [9, 9])
-    assert a != b, "different tokens, same hash"
-    assert ch07.block_hash(a, [3, 4]) != ch07.block_hash(b, [3, 4]), (
-        "block [3, 4] after [1, 2] and after [9, 9] got the same hash: chain prev_hash in"
+    assert a != b, (
+        f"block_hash(None, [1, 2]) and block_hash(None, [9, 9]): expected different hashes, "
+        f"got {a} for both; hint: hash the token ids themselves"
     )
-    assert ch07.block_hash(None, [1, 2]) != ch07.block_hash(None, [2, 1]), "order matters"
+    after_a, after_b = ch07.block_hash(a, [3, 4]), ch07.block_hash(b, [3, 4])
+    assert after_a != after_b, (
+        f"block_hash(prev, [3, 4]) after [1, 2] and after [9, 9]: expected different hashes, "
+        f"got {after_a} for both; hint: chain prev_hash in: hash (prev_hash, tokens) together"
+    )
+    ab, ba = ch07.block_hash(None, [1, 2]), ch07.block_hash(None, [2, 1])
+    assert ab != ba, (
+        f"block_hash(None, [1, 2]) and block_hash(None, [2, 1]): expected different hashes, "
+        f"got {ab} for both; hint: order matters: hash a tuple, not a set, sum or sorted list"
+    )
 
 
 # --- prefix_block_hashes --------------------------------------------------------------------
@@ -50,10 +76,22 @@ def test_ch07_block_hash_depends_on_the_tokens_and_the_prefix(ch07):
 def test_ch07_prefix_block_hashes_one_per_full_block_chained(ch07):
     tokens = [5, 6, 7, 8, 9]
     hashes = ch07.prefix_block_hashes(tokens, 2)
-    assert len(hashes) == 2, f"{len(hashes)} hashes for 2 full blocks (and a partial one)"
+    case = "prefix_block_hashes([5, 6, 7, 8, 9], block_size=2)"
+    assert len(hashes) == 2, (
+        f"{case}: expected 2 hashes (2 full blocks; the partial block [9] gets none), got "
+        f"{len(hashes)}; hint: one hash per full block, none for a partial last block"
+    )
     h0 = ch07.block_hash(None, [5, 6])
-    assert hashes == [h0, ch07.block_hash(h0, [7, 8])]
-    assert ch07.prefix_block_hashes([1, 2, 3], 4) == []
+    want = [h0, ch07.block_hash(h0, [7, 8])]
+    assert hashes == want, (
+        f"{case}: expected [block_hash(None, [5, 6]), block_hash(that, [7, 8])] = {want}, got "
+        f"{hashes}; hint: each block's hash chains the previous block's (None for the first)"
+    )
+    short = ch07.prefix_block_hashes([1, 2, 3], 4)
+    assert short == [], (
+        f"prefix_block_hashes([1, 2, 3], block_size=4): expected [] (no full block), got "
+        f"{short}; hint: a partial block gets no hash"
+    )
 
 
 def test_ch07_prefix_block_hashes_share_exactly_the_common_full_blocks(ch07):
@@ -65,8 +103,20 @@ def test_ch07_prefix_block_hashes_share_exactly_the_common_full_blocks(ch07):
         b = common + [8] + [rng.randrange(5) for _ in range(rng.randrange(8))]
         ha, hb = ch07.prefix_block_hashes(a, bs), ch07.prefix_block_hashes(b, bs)
         same = len(common) // bs  # blocks entirely inside the common prefix
-        assert ha[:same] == hb[:same]
-        assert all(x != y for x, y in zip(ha[same:], hb[same:], strict=False))
+        case = (
+            f"prefix_block_hashes of a {len(a)}- and a {len(b)}-token prompt sharing their "
+            f"first {len(common)} tokens, block_size={bs}"
+        )
+        assert ha[:same] == hb[:same], (
+            f"{case}: expected their first {same} hashes equal, got {len(ha)} and {len(hb)} "
+            f"hashes with blocks {[i for i in range(same) if ha[i : i + 1] != hb[i : i + 1]]} "
+            "different; hint: a block's hash depends only on its tokens and the blocks before"
+        )
+        assert all(x != y for x, y in zip(ha[same:], hb[same:], strict=False)), (
+            f"{case}: expected every hash from block {same} on to differ, got equal hashes "
+            f"at blocks {[i for i in range(same, min(len(ha), len(hb))) if ha[i] == hb[i]]}; "
+            "hint: chain prev_hash in, so one different token changes every later block"
+        )
 
 
 def test_ch07_prefix_block_hashes_find_what_minillm_finds(ch07):
@@ -88,7 +138,12 @@ def test_ch07_prefix_block_hashes_find_what_minillm_finds(ch07):
             if h not in known:
                 break
             mine += 1
-        assert mine == hits
+        assert mine == hits, (
+            f"prefix_block_hashes, block_size={bs}: first prompt {first}, second {second}: "
+            f"expected {hits} leading full blocks of the second found among the first's hashes "
+            f"(minillm's prefix-cache hits), got {mine}; hint: full blocks only, each hash "
+            "chained to the one before"
+        )
 
 
 # --- cow_append -----------------------------------------------------------------------------
@@ -98,14 +153,16 @@ def test_ch07_cow_append_fills_a_block_then_opens_the_next(ch07):
     table, refs, free = [], [0] * 4, [2, 0, 1, 3]
     slots = [ch07.cow_append(table, n, refs, free, 2) for n in range(5)]
     want = [(4, None), (5, None), (0, None), (1, None), (2, None)]
+    case = "cow_append(an empty table, tokens 0..4, free [2, 0, 1, 3], block_size 2)"
     assert slots == want, (
-        f"(slot, copy) per token: expected {want}, got {slots}; slot = block * block_size + "
-        "offset, and a new block is taken from the front of free only when the last is full"
+        f"{case}: (slot, copy) per token: expected {want}, got {slots}; hint: slot = block * "
+        "block_size + offset, and a new block is taken from the front of free only when the "
+        "last is full"
     )
     got = (table, refs, free)
     assert got == ([2, 0, 1], [1, 1, 1, 0], [3]), (
-        f"(table, refs, free): expected ([2, 0, 1], [1, 1, 1, 0], [3]), got {got}: each new "
-        "block goes on the table with ref_count 1 and leaves free"
+        f"{case}: (table, refs, free): expected ([2, 0, 1], [1, 1, 1, 0], [3]), got {got}; "
+        "hint: each new block goes on the table with ref_count 1 and leaves free"
     )
 
 
@@ -118,18 +175,32 @@ def test_ch07_cow_append_copies_a_shared_last_block_once(ch07):
     for b in parent:
         refs[b] += 1
     slot, copy = ch07.cow_append(child, 3, refs, free, 2)
-    assert copy == (4, 5), "the shared half block must be copied before the write"
+    assert copy == (4, 5), (
+        f"cow_append(the child's table [3, 4], token 3; blocks 3 and 4 shared, free [5]): "
+        f"expected copy (4, 5), got {copy}; hint: the shared half block must be copied before "
+        "the write: (shared block, new block from the front of free)"
+    )
+    case = "cow_append(the child's table [3, 4], token 3; blocks 3 and 4 shared)"
     assert (child, slot) == ([3, 5], 5 * 2 + 1), (
-        f"the child's table and slot: expected ([3, 5], 11), got ({child}, {slot}): the copy "
-        "(block 5) replaces the shared block on the table, and the token goes into it"
+        f"{case}: the child's table and slot: expected ([3, 5], 11), got ({child}, {slot}); "
+        "hint: the copy (block 5) replaces the shared block on the table, and the token goes "
+        "into it"
     )
     assert refs[3:] == [2, 1, 1], (
-        f"ref counts of blocks 3, 4, 5: expected [2, 1, 1], got {refs[3:]}: the full block "
-        "stays shared (2); the shared half block loses the child (2 -> 1: decrement its "
-        "ref_count); the copy has one owner (1)"
+        f"{case}: ref counts of blocks 3, 4, 5: expected [2, 1, 1], got {refs[3:]}; hint: the "
+        "full block stays shared (2); the shared half block loses the child (2 -> 1: "
+        "decrement its ref_count); the copy has one owner (1)"
     )
     slot, copy = ch07.cow_append(parent, 3, refs, free, 2)
-    assert copy is None and slot == 4 * 2 + 1, "the parent is now the only owner"
+    case = "cow_append(the parent's table [3, 4], token 3) after the child copied block 4"
+    assert copy is None, (
+        f"{case}: expected no copy (the parent is now the only owner), got copy {copy}; hint: "
+        "copy only while the last block's ref_count is above 1"
+    )
+    assert slot == 4 * 2 + 1, (
+        f"{case}: expected slot 9 (block 4, offset 1), got {slot}; hint: the parent is now "
+        "the only owner: write in place, slot = block * block_size + offset"
+    )
 
 
 def test_ch07_cow_append_full_shared_block_needs_no_copy(ch07):
@@ -138,20 +209,27 @@ def test_ch07_cow_append_full_shared_block_needs_no_copy(ch07):
     slot, copy = ch07.cow_append(table, 2, refs, free, 2)
     got = (copy, table, slot, refs)
     assert got == (None, [1, 2], 4, [0, 2, 1]), (
-        f"(copy, table, slot, refs): expected (None, [1, 2], 4, [0, 2, 1]), got {got}: a "
-        "full shared block is never written again, so no copy: open a new block instead"
+        f"cow_append(table [1] with its full block shared, token 2, free [2], block_size 2): "
+        f"(copy, table, slot, refs): expected (None, [1, 2], 4, [0, 2, 1]), got {got}; hint: "
+        "a full shared block is never written again, so no copy: open a new block instead"
     )
 
 
 def test_ch07_cow_append_out_of_blocks_changes_nothing(ch07):
     table, refs, free = [0], [2], []
-    hint = "raise before changing anything: check free first, then update table and refs"
+    hint = "hint: raise before changing anything: check free first, then update table and refs"
     raises_runtime_error(ch07.cow_append, table, 1, refs, free, 4)  # shared: needs a copy
     got = (table, refs, free)
-    assert got == ([0], [2], []), f"expected ([0], [2], []) after the error, got {got}: {hint}"
+    assert got == ([0], [2], []), (
+        f"cow_append(table [0] shared, token 1, no free block): (table, refs, free): expected "
+        f"([0], [2], []) after the RuntimeError, got {got}; {hint}"
+    )
     raises_runtime_error(ch07.cow_append, table, 4, refs, free, 4)  # full: needs a new block
     got = (table, refs, free)
-    assert got == ([0], [2], []), f"expected ([0], [2], []) after the error, got {got}: {hint}"
+    assert got == ([0], [2], []), (
+        f"cow_append(table [0] full, token 4, no free block): (table, refs, free): expected "
+        f"([0], [2], []) after the RuntimeError, got {got}; {hint}"
+    )
 
 
 def test_ch07_cow_append_agrees_with_minillm_under_random_forks(ch07):
@@ -189,10 +267,24 @@ def test_ch07_cow_append_agrees_with_minillm_under_random_forks(ch07):
             continue
         copies = m.append_slots(seq)
         m.mark_computed(seq, len(seq))
+        before = list(tables[sid])
         mine = ch07.cow_append(tables[sid], length, refs, free, bs)
-        assert mine == (m.slot(seq, length), copies[0] if copies else None)
-        assert tables[sid] == seq.block_table
-    assert refs == [b.ref_count for b in m.blocks]
+        want = (m.slot(seq, length), copies[0] if copies else None)
+        case = f"cow_append(table {before}, token {length}, blocks of {bs}) under random forks"
+        assert mine == want, (
+            f"{case}: expected (slot, copy) {want} (minillm's BlockManager), got {mine}; hint: "
+            "copy the last block only when it is shared (ref_count > 1) and not full"
+        )
+        assert tables[sid] == seq.block_table, (
+            f"{case}: expected the table {seq.block_table}, got {tables[sid]}; hint: a copy "
+            "replaces the shared last block; a new block is appended"
+        )
+    counts = [b.ref_count for b in m.blocks]
+    assert refs == counts, (
+        f"cow_append after 150 random appends and forks: expected ref counts {counts}, got "
+        f"{refs}; hint: a new block or a copy starts at 1, the shared block a copy replaces "
+        "loses 1"
+    )
 
 
 # --- gather_kv ------------------------------------------------------------------------------
@@ -202,12 +294,25 @@ def test_ch07_gather_kv_reads_through_the_table(ch07):
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(10, 4, 2, 3, generator=g)  # 10 blocks of 4 slots, 2 kv heads, d 3
     table = [7, 2, 9]
+    hint = (
+        "logical block i is physical block table[i]: position p is slot p % block_size of "
+        "block table[p // block_size]; the result is [kv_heads, length, d]"
+    )
     for length in (1, 4, 5, 11, 12):
         out = ch07.gather_kv(pool, table, length)
-        assert out.shape == (2, length, 3)
+        case = f"gather_kv(pool of 10 blocks x 4 slots x 2 kv heads x d 3, {table}, {length})"
+        assert out.shape == (2, length, 3), (
+            f"{case}: expected shape (2, {length}, 3), got {tuple(out.shape)}; hint: flatten "
+            "blocks x slots into positions, keep the first `length`, heads first"
+        )
         dense = minillm_gather_kv(pool, torch.tensor([table]))[0, :, :length]
-        torch.testing.assert_close(out, dense)
-    torch.testing.assert_close(ch07.gather_kv(pool, table, 6)[:, 5], pool[2, 1])
+        assert_close(out, dense, f"{case} vs minillm", hint)
+    assert_close(
+        ch07.gather_kv(pool, table, 6)[:, 5],
+        pool[2, 1],
+        f"gather_kv(pool, {table}, 6): position 5 vs pool[2, 1] (block table[1] = 2, slot 1)",
+        hint,
+    )
 
 
 def test_ch07_gather_kv_rejects_a_short_table(ch07):
@@ -245,12 +350,20 @@ def test_ch07_paged_decode_matches_attention_over_gathered_kv(ch07, lens, H, KV,
     q, k_pool, v_pool, tables, lens_t = random_pool(0, lens, H, KV, D, bs)
     out = ch07.paged_decode(q, k_pool, v_pool, tables, lens_t)
     want = paged_attention_ref(q, k_pool, v_pool, tables, lens_t)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    case = f"paged_decode(lens {lens}, {H} heads, {KV} kv heads, head_dim {D}, blocks of {bs})"
+    assert out.shape == q.shape, (
+        f"{case}: expected q's shape {tuple(q.shape)}, got {tuple(out.shape)}; hint: one "
+        "output vector per sequence and head, [B, H, D]"
+    )
+    assert out.dtype == q.dtype, (
+        f"{case}: expected q's dtype {q.dtype}, got {out.dtype}; hint: store the result in "
+        "the output's element type"
+    )
     err = (out - want).abs().max().item()
     assert err < 1e-5, (
-        f"max error {err:.2e} vs softmax attention over the gathered K/V (lens {lens}, "
-        f"{H} heads, {KV} kv heads, blocks of {bs}): check the masking of the last block, "
-        "the kv head of each query head and the rescaling by exp(m - m_new)"
+        f"{case}: expected softmax attention over the gathered K/V (max error < 1e-5), got "
+        f"max error {err:.2e}; hint: check the masking of the last block, the kv head of "
+        "each query head and the rescaling by exp(m - m_new)"
     )
 
 
@@ -259,5 +372,15 @@ def test_ch07_paged_decode_survives_large_scores(ch07):
     q, k_pool, v_pool, tables, lens = random_pool(1, [9, 30], 2, 1, 16, 4)
     q = q * 60
     out = ch07.paged_decode(q, k_pool, v_pool, tables, lens)
-    assert torch.isfinite(out).all(), "inf/nan: subtract the running max before exp"
-    torch.testing.assert_close(out, paged_attention_ref(q, k_pool, v_pool, tables, lens))
+    case = "paged_decode(q x 60: scores of several hundred, lens [9, 30], blocks of 4)"
+    hint = "subtract the running max before exp, and rescale the sums by exp(m - m_new)"
+    assert torch.isfinite(out).all(), (
+        f"{case}: expected finite values, got {int((~torch.isfinite(out)).sum())} inf/nan; "
+        f"hint: {hint}"
+    )
+    assert_close(
+        out,
+        paged_attention_ref(q, k_pool, v_pool, tables, lens),
+        f"{case} vs attention over the gathered K/V",
+        hint,
+    )

@@ -32,9 +32,22 @@ def recorded() -> list[Trace]:
     return backend.run_all(requests, 3, NoBar())
 
 
+HINTS = {
+    "ttft": "TTFT = first chunk's time - send; None when no token arrived (then left out)",
+    "tpot": "TPOT = (end - first chunk's time) / (num_tokens - 1): tokens, not chunks; None "
+    "for fewer than 2 tokens",
+    "itl": "ITL lists every gap between consecutive chunks' times, len(token_times) - 1 of them",
+    "e2e": "E2E = end - send, for every request",
+}
+
+
 def learner(ch09, t: Trace) -> dict:
     out = ch09.request_metrics(t.start, list(t.token_times), t.end, t.num_tokens)
-    assert set(out) == {"ttft", "tpot", "itl", "e2e"}, f"keys {sorted(out)}"
+    assert set(out) == {"ttft", "tpot", "itl", "e2e"}, (
+        f"request_metrics({t.num_tokens} tokens in {len(t.token_times)} chunks): expected the "
+        f"keys ['e2e', 'itl', 'tpot', 'ttft'], got {sorted(map(str, out))}; hint: return a "
+        "dict with exactly these four keys"
+    )
     return out
 
 
@@ -61,38 +74,70 @@ def assert_pooled_equal(ch09, traces: list[Trace]) -> None:
         for stat in ("mean", "p50", "p99"):
             g, w = got[stat], want[stat]
             same = (math.isnan(g) and math.isnan(w)) or abs(g - w) < 1e-6
-            assert same, f"{name} {stat}: yours {g:.6f} ms, the harness's {w:.6f} ms"
+            assert same, (
+                f"request_metrics over {len(traces)} requests, pooled like the harness: {name} "
+                f"{stat}: expected the harness's {w:.6f} ms, got {g:.6f} ms; hint: "
+                f"{HINTS[name]}"
+            )
 
 
 def test_ch09_request_metrics_worked_example(ch09):
     # notebook 09's request A: sent at 0 s, tokens at 0.1, 0.3, 0.6 s
     m = ch09.request_metrics(0.0, [0.1, 0.3, 0.6], 0.6, 3)
-    assert close(m["ttft"], 0.1), f"TTFT {m['ttft']}: first token - send = 0.1 s"
-    assert close(m["tpot"], 0.25), f"TPOT {m['tpot']}: (0.6 - 0.1) / (3 - 1) = 0.25 s"
-    assert len(m["itl"]) == 2 and all(map(close, m["itl"], [0.2, 0.3])), f"ITL {m['itl']}"
-    assert close(m["e2e"], 0.6), f"E2E {m['e2e']}"
+    case = "request_metrics(send 0, chunks at 0.1, 0.3, 0.6 s, end 0.6 s, 3 tokens)"
+    assert close(m["ttft"], 0.1), (
+        f"{case}: expected TTFT 0.1 s, got {m['ttft']}; hint: first token - send = 0.1 s"
+    )
+    assert close(m["tpot"], 0.25), (
+        f"{case}: expected TPOT 0.25 s, got {m['tpot']}; hint: (0.6 - 0.1) / (3 - 1)"
+    )
+    assert len(m["itl"]) == 2 and all(map(close, m["itl"], [0.2, 0.3])), (
+        f"{case}: expected ITL [0.2, 0.3] s, got {m['itl']}; hint: {HINTS['itl']}"
+    )
+    assert close(m["e2e"], 0.6), f"{case}: expected E2E 0.6 s, got {m['e2e']}; hint: end - send"
 
 
 def test_ch09_request_metrics_one_token_has_no_tpot_and_no_itl(ch09):
     m = ch09.request_metrics(1.0, [1.5], 1.5, 1)
-    assert close(m["ttft"], 0.5) and close(m["e2e"], 0.5), m
-    assert m["tpot"] is None, f"TPOT of a one-token request is undefined (None), not {m['tpot']}"
-    assert list(m["itl"]) == [], f"one chunk has no gap between chunks: {m['itl']}"
+    case = "request_metrics(send 1.0, one chunk at 1.5 s, end 1.5 s, 1 token)"
+    assert close(m["ttft"], 0.5), f"{case}: expected TTFT 0.5 s, got {m['ttft']}; hint: 1.5 - 1.0"
+    assert close(m["e2e"], 0.5), f"{case}: expected E2E 0.5 s, got {m['e2e']}; hint: end - send"
+    assert m["tpot"] is None, (
+        f"{case}: expected TPOT None, got {m['tpot']}; hint: the TPOT of a one-token request "
+        "is undefined: (num_tokens - 1) is 0"
+    )
+    assert list(m["itl"]) == [], (
+        f"{case}: expected ITL [], got {m['itl']}; hint: one chunk has no gap between chunks"
+    )
     assert_pooled_equal(ch09, [Trace(1.0, [1.5], 1.5, 1)])
 
 
 def test_ch09_request_metrics_empty_request(ch09):
     m = ch09.request_metrics(2.0, [], 2.25, 0)
-    assert m["ttft"] is None, f"no token arrived: TTFT is None, not {m['ttft']}"
-    assert m["tpot"] is None and list(m["itl"]) == [], m
-    assert close(m["e2e"], 0.25), f"E2E still runs from send to end: {m['e2e']}"
+    case = "request_metrics(send 2.0, no chunks, end 2.25 s, 0 tokens)"
+    assert m["ttft"] is None, (
+        f"{case}: expected TTFT None, got {m['ttft']}; hint: no token arrived, so there is no "
+        "first token time (do not index token_times[0])"
+    )
+    assert m["tpot"] is None, f"{case}: expected TPOT None, got {m['tpot']}; hint: no tokens"
+    assert list(m["itl"]) == [], f"{case}: expected ITL [], got {m['itl']}; hint: no chunks"
+    assert close(m["e2e"], 0.25), (
+        f"{case}: expected E2E 0.25 s, got {m['e2e']}; hint: E2E still runs from send to end"
+    )
     assert_pooled_equal(ch09, [Trace(2.0, [], 2.25, 0), Trace(0.0, [0.1, 0.3, 0.6], 0.6, 3)])
 
 
 def test_ch09_request_metrics_end_after_the_last_chunk(ch09):
     m = ch09.request_metrics(0.0, [0.2, 0.4], 0.5, 2)
-    assert close(m["e2e"], 0.5), f"E2E runs to `end` (0.5 s), not the last chunk: {m['e2e']}"
-    assert close(m["tpot"], 0.3), f"TPOT (0.5 - 0.2) / 1 = 0.3 s, got {m['tpot']}"
+    case = "request_metrics(send 0, chunks at 0.2, 0.4 s, end 0.5 s, 2 tokens)"
+    assert close(m["e2e"], 0.5), (
+        f"{case}: expected E2E 0.5 s, got {m['e2e']}; hint: E2E runs to `end`, not to the "
+        "last chunk"
+    )
+    assert close(m["tpot"], 0.3), (
+        f"{case}: expected TPOT 0.3 s, got {m['tpot']}; hint: (end - first chunk) / "
+        "(num_tokens - 1) = (0.5 - 0.2) / 1"
+    )
 
 
 def test_ch09_request_metrics_matches_the_harness_on_recorded_engine_traces(ch09, recorded):
@@ -100,11 +145,19 @@ def test_ch09_request_metrics_matches_the_harness_on_recorded_engine_traces(ch09
     for t in recorded:
         one = compute_metrics([t], duration=1.0)
         m = learner(ch09, t)
+        case = (
+            f"request_metrics(a recorded engine request: {t.num_tokens} tokens in "
+            f"{len(t.token_times)} chunks)"
+        )
         for name in ("ttft", "tpot", "e2e"):
             assert close(m[name], one[f"{name}_ms"]["mean"] / 1000), (
-                f"{name}: yours {m[name]}, the harness's {one[f'{name}_ms']['mean'] / 1000}"
+                f"{case}: expected {name} {one[f'{name}_ms']['mean'] / 1000} s (the "
+                f"harness's), got {m[name]}; hint: {HINTS[name]}"
             )
-        assert len(m["itl"]) == len(t.token_times) - 1, "one gap per pair of chunks"
+        assert len(m["itl"]) == len(t.token_times) - 1, (
+            f"{case}: expected {len(t.token_times) - 1} ITL gaps, got {len(m['itl'])}; "
+            "hint: one gap per pair of consecutive chunks"
+        )
     assert_pooled_equal(ch09, recorded)
 
 
@@ -115,7 +168,8 @@ def test_ch09_request_metrics_bursty_chunks_count_tokens_for_tpot(ch09, recorded
         m = learner(ch09, t)
         expected = (t.end - t.token_times[0]) / (t.num_tokens - 1)
         assert close(m["tpot"], expected), (
-            f"TPOT {m['tpot']} != {expected}: divide by output tokens - 1 "
-            f"({t.num_tokens - 1}), not by chunks - 1 ({len(t.token_times) - 1})"
+            f"request_metrics({t.num_tokens} tokens in {len(t.token_times)} chunks of two "
+            f"tokens): expected TPOT {expected} s, got {m['tpot']}; hint: divide by output "
+            f"tokens - 1 ({t.num_tokens - 1}), not by chunks - 1 ({len(t.token_times) - 1})"
         )
     assert_pooled_equal(ch09, bursty)
