@@ -9,6 +9,8 @@ Executed by nbconvert, those carry what only a live kernel renders well: tqdm's 
 mid-way by carriage returns, and per-cell execution timestamps that turn every re-run into a
 diff. `tidy` removes the first, keeps the last state of the second, drops the third and
 writes the kernelspec JupyterLab writes back, so an opened notebook is not marked modified.
+A cell that writes a paragraph from the run's numbers gets its source hidden, so the
+paragraph reads once (its output), not twice (the f-string, then the text).
 `tests/test_notebooks.py` checks the result.
 """
 
@@ -41,10 +43,22 @@ def _last_state(text: str) -> str:
     return "\n".join(kept)
 
 
+# A paragraph written by the run: display(Markdown(f"..." ...)), the string maybe in parentheses
+PARAGRAPH = re.compile(r"""display\(\s*Markdown\(\s*\(?\s*[fr]?["']""")
+
+
+def renders_a_paragraph(cell: dict) -> bool:
+    """A code cell that writes prose from the run's numbers (`display(Markdown(f\"\"\"...`):
+    its output is the paragraph, so its source is hidden and the text shows once."""
+    return cell["cell_type"] == "code" and bool(PARAGRAPH.search("".join(cell["source"])))
+
+
 def tidy(nb: dict) -> dict:
     """The notebook with its outputs as they should be saved (see the module docstring)."""
     for cell in nb["cells"]:
         cell.get("metadata", {}).pop("execution", None)
+        if renders_a_paragraph(cell):  # JupyterLab collapses it; a click shows the code
+            cell.setdefault("metadata", {}).setdefault("jupyter", {})["source_hidden"] = True
         outputs = []
         for out in cell.get("outputs", []):
             data = out.get("data", {})

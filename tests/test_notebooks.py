@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from functools import cache
@@ -119,3 +120,29 @@ def test_it_starts_with_a_plan_and_ends_with_a_bridge(name):
     assert re.search(r"next|bridge|what is left|what's left|chapter \d\d", closing), (
         f"{name}: its last cells should say what problem is left for the next chapter"
     )
+
+
+def _save_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("notebook_save", DIR / "save.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_generated_paragraph_reads_once(name):
+    """A cell that writes prose from the run's numbers shows its output, the paragraph, with
+    its source (the f-string: the same paragraph again, with code in it) hidden."""
+    save = _save_module()
+    shown = [
+        i
+        for i, cell in enumerate(cells(name))
+        if save.renders_a_paragraph(cell)
+        and not cell["metadata"].get("jupyter", {}).get("source_hidden")
+    ]
+    assert not shown, f"{name}: cells {shown} show a generated paragraph twice (run save.py)"
+
+
+def test_paragraph_cells_are_found():
+    save = _save_module()
+    assert sum(save.renders_a_paragraph(c) for n in NAMES for c in cells(n)) >= 30
