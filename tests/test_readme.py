@@ -156,3 +156,45 @@ def test_claims_decode_roofline_figures_are_the_results_files():
     row = next(line for line in (ROOT / "CLAIMS.md").read_text().splitlines() if "| 05.5 |" in line)
     missing = [w for w in want if w not in row]
     assert not missing, f"CLAIMS 05.5 should state {missing} (from the results file)"
+
+
+def test_claims_llama_server_figures_are_the_results_files():
+    """CLAIMS 08.8 quotes the committed minillm-vs-llama-server run: medians over its rounds
+    and the range of the per-round ratio, as the results file gives them now."""
+    import statistics
+
+    d = readme_table.load("llama-server-smollm2.json")
+    res = d["8"]
+    med = {
+        name: {
+            "tok_s": statistics.median(r["output_tok_s"] for r in res[name]),
+            "ttft": statistics.median(r["ttft"]["p50"] for r in res[name]),
+            "tpot": statistics.median(r["tpot"]["p50"] for r in res[name]),
+        }
+        for name in ("minillm", "llama-server")
+    }
+    a, b = med["minillm"], med["llama-server"]
+    rounds = [
+        x["output_tok_s"] / y["output_tok_s"]
+        for x, y in zip(res["minillm"], res["llama-server"], strict=True)
+    ]
+    want = [
+        f"{d['meta']['repeats']} rounds",
+        f"minillm {a['tok_s']:.0f} vs llama-server {b['tok_s']:.0f} output tok/s, "
+        f"{a['tok_s'] / b['tok_s']:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f}x)",
+        f"TTFT p50 {1e3 * a['ttft']:.0f} vs {1e3 * b['ttft']:.0f} ms",
+        f"TPOT p50 {1e3 * a['tpot']:.0f} vs {1e3 * b['tpot']:.0f} ms",
+        f"same greedy text {sum(res['same_greedy'])}/{len(res['same_greedy'])}",
+    ]
+    row = next(line for line in (ROOT / "CLAIMS.md").read_text().splitlines() if "| 08.8 |" in line)
+    missing = [w for w in want if w not in row]
+    assert not missing, f"CLAIMS 08.8 should state {missing} (from the results file)"
+    page = (ROOT / "docs" / "llama_cpp.md").read_text()
+    table = [
+        f"| output tok/s, median of {len(rounds)} rounds | {a['tok_s']:.1f} | {b['tok_s']:.1f} |",
+        f"| TTFT p50, ms (median of rounds) | {1e3 * a['ttft']:.0f} | {1e3 * b['ttft']:.0f} |",
+        f"| TPOT p50, ms (median of rounds) | {1e3 * a['tpot']:.0f} | {1e3 * b['tpot']:.0f} |",
+        f"{a['tok_s'] / b['tok_s']:.2f}x llama-server's ({min(rounds):.2f}-{max(rounds):.2f}x",
+    ]
+    missing = [w for w in table if w not in page]
+    assert not missing, f"docs/llama_cpp.md should state {missing} (from the results file)"
