@@ -64,6 +64,7 @@ from minillm.bench.http_load import ms
 from minillm.bench.llama_cpp import (
     CTX_PER_SLOT,
     median_of,
+    round_ratios,
     run_llama_cpp_python,
     run_llama_server,
 )
@@ -91,10 +92,7 @@ def report_llama_server(threads: int, results: dict[str, Any], n: int, model: st
         tok = {k: median_of(res[k], "output_tok_s") for k in ("minillm", "llama-server")}
         ratios[c] = tok["minillm"] / tok["llama-server"]
         tpot = {k: median_of(res[k], "tpot", "p50") for k in ("minillm", "llama-server")}
-        paired = [  # round r of each ran back to back: the spread the shared CPU adds
-            a["output_tok_s"] / b["output_tok_s"]
-            for a, b in zip(res["minillm"], res["llama-server"], strict=True)
-        ]
+        paired = round_ratios(res["minillm"], res["llama-server"])
         print(
             f"  {'':12s} | minillm / llama-server: {ratios[c]:.2f}x output tok/s (rounds "
             f"{min(paired):.2f}-{max(paired):.2f}x), {tpot['minillm'] / tpot['llama-server']:.2f}x"

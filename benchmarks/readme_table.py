@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from minillm.bench.llama_cpp import median_of, round_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -249,13 +250,9 @@ def llama_server() -> Row:
     (level,) = meta["concurrency"]
     runs = d[str(level)]
     ours, theirs = runs["minillm"], runs["llama-server"]
-    ratio = statistics.median(r["output_tok_s"] for r in ours) / statistics.median(
-        r["output_tok_s"] for r in theirs
-    )
-    rounds = span(
-        [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs, strict=True)]
-    )
-    tpot = [1000 * statistics.median(r["tpot"]["p50"] for r in side) for side in (ours, theirs)]
+    ratio = median_of(ours, "output_tok_s") / median_of(theirs, "output_tok_s")
+    rounds = span(round_ratios(ours, theirs))
+    tpot = [1000 * median_of(side, "tpot", "p50") for side in (ours, theirs)]
     same = runs["same_greedy"]
     result = (
         f"output tok/s {x(ratio)} llama-server's (rounds {rounds}); TPOT p50 {tpot[0]:.0f} vs "

@@ -59,10 +59,11 @@ class Run:
         """Add the run's options, duration, date and how busy the shared machine was (the
         1-minute load average at the start and the end, and the higher of the two), write
         the JSON if asked, print the summary."""
+        load_at_end = os.getloadavg()[0]
         meta = {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_average": max(self.load_at_start, os.getloadavg()[0]),
-            "load_average_start_end": [self.load_at_start, os.getloadavg()[0]],
+            "load_average": max(self.load_at_start, load_at_end),
+            "load_average_start_end": [self.load_at_start, load_at_end],
         }
         results = {
             **results,

@@ -161,23 +161,20 @@ def test_claims_decode_roofline_figures_are_the_results_files():
 def test_claims_llama_server_figures_are_the_results_files():
     """CLAIMS 08.8 quotes the committed minillm-vs-llama-server run: medians over its rounds
     and the range of the per-round ratio, as the results file gives them now."""
-    import statistics
+    from minillm.bench.llama_cpp import median_of, round_ratios
 
     d = readme_table.load("llama-server-smollm2.json")
     res = d["8"]
     med = {
         name: {
-            "tok_s": statistics.median(r["output_tok_s"] for r in res[name]),
-            "ttft": statistics.median(r["ttft"]["p50"] for r in res[name]),
-            "tpot": statistics.median(r["tpot"]["p50"] for r in res[name]),
+            "tok_s": median_of(res[name], "output_tok_s"),
+            "ttft": median_of(res[name], "ttft", "p50"),
+            "tpot": median_of(res[name], "tpot", "p50"),
         }
         for name in ("minillm", "llama-server")
     }
     a, b = med["minillm"], med["llama-server"]
-    rounds = [
-        x["output_tok_s"] / y["output_tok_s"]
-        for x, y in zip(res["minillm"], res["llama-server"], strict=True)
-    ]
+    rounds = round_ratios(res["minillm"], res["llama-server"])
     want = [
         f"{d['meta']['repeats']} rounds",
         f"minillm {a['tok_s']:.0f} vs llama-server {b['tok_s']:.0f} output tok/s, "

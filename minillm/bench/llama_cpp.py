@@ -110,6 +110,12 @@ def median_of(runs: list[dict], key: str, stat: str | None = None) -> float:
     return statistics.median(r[key][stat] if stat else r[key] for r in runs)
 
 
+def round_ratios(ours: list[dict], theirs: list[dict], key: str = "output_tok_s") -> list[float]:
+    """`ours[r][key] / theirs[r][key]` for each round r: the two ran back to back, so the
+    spread of these is what the shared machine adds to the ratio of the medians."""
+    return [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
+
+
 def stop(procs: list[subprocess.Popen]) -> None:
     """Terminate the servers and wait for each to exit."""
     for proc in procs:

@@ -145,12 +145,8 @@ class SideBySide:
         )
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = (
-            x @ self.weight
-            if self.bias is None
-            else torch.addmm(self.bias, x.flatten(0, -2), self.weight).view(*x.shape[:-1], -1)
-        )
-        return y.split(self.sizes, dim=-1)
+        # weight.t() is [sum of outs, in]: F.linear hands the [in, out] buffer to BLAS as is
+        return F.linear(x, self.weight.t(), self.bias).split(self.sizes, dim=-1)
 
 
 class Attention(nn.Module):
