@@ -10,7 +10,8 @@ several rounds, several settings or several machines' files feed one row, the ro
 range over them, never only the best. The table sits in README.md between `BEGIN` and `END`;
 tests/test_readme.py fails when it differs from what this script writes from the files now.
 
-Standard library only (no torch): the test imports it, and it only reads JSON.
+It only reads JSON, with the helpers it shares with the notebooks (`span`, `round_ratios`,
+`pair_ratios`), so that a figure is computed one way wherever it is shown.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import generated
 from minillm.bench.llama_cpp import median_of, round_ratios
+from minillm.bench.peers import pair_ratios
+from minillm.lab.claims import span
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -57,17 +60,6 @@ def pct(value: float) -> str:
 
 def delta(value: float) -> str:
     return f"{value:+.1%}"
-
-
-def span(values: Sequence[float], fmt: Callable[[float], str] = x) -> str:
-    """`min-max` as `fmt` prints them (`+1.0% to +2.0%` for signed values), or one value when
-    the two print the same."""
-    low, high = fmt(min(values)), fmt(max(values))
-    if low == high:
-        return low
-    if low.startswith(("+", "-")):
-        return f"{low} to {high}"
-    return f"{low.rstrip('x%')}-{high}"
 
 
 def model_name(key: str | None) -> str:
@@ -266,6 +258,24 @@ def llama_server() -> Row:
     return Row(what, result, (name,))
 
 
+def peers() -> Row:
+    name = "peers-smollm2.json"
+    d = load(name)
+    f = d["formats"]
+    ratios = "; ".join(f"{pair} {span(r)}" for pair, r in pair_ratios(d).items())
+    ppl = ", ".join(
+        f"{k} {delta(v['ppl_delta'])}" for k, v in f.items() if not k.endswith(("fp32", "f32"))
+    )
+    what = (
+        f"minillm vs llama.cpp's `llama-server`, batch-1 decode format by format, "
+        f"{model_name(d['model'])}, {d['context']} tokens, {d['rounds']} rounds, "
+        f"{d['threads']} thread each"
+    )
+    return Row(
+        what, f"minillm's tok/s over llama.cpp's: {ratios}; perplexity vs fp32: {ppl}", (name,)
+    )
+
+
 def decode_roofline() -> Row:
     name = "decode-roofline-smollm2.json"
     d = load(name)
@@ -331,6 +341,7 @@ def gpu_check() -> Row:
 ROWS = (
     kv_cache,
     decode_roofline,
+    peers,
     ort_iobinding,
     quant_methods,
     quant_decode,
@@ -384,20 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.print:
         print(table())
         return 0
-    text = README.read_text()
-    new = update(text)
-    if args.check:
-        if new != text:
-            print(f"README.md's results table is out of date: run {COMMAND}", file=sys.stderr)
-            return 1
-        print("README.md's results table is up to date")
-        return 0
-    if new != text:
-        README.write_text(new)
-        print("README.md: results table rewritten")
-    else:
-        print("README.md: results table already up to date")
-    return 0
+    return generated.rewrite(
+        README, update(README.read_text()), "results table is", COMMAND, args.check
+    )
 
 
 if __name__ == "__main__":

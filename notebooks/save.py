@@ -11,7 +11,11 @@ diff. `tidy` removes the first, keeps the last state of the second, drops the th
 writes the kernelspec JupyterLab writes back, so an opened notebook is not marked modified.
 A cell that writes a paragraph from the run's numbers gets its source hidden, so the
 paragraph reads once (its output), not twice (the f-string, then the text).
-`tests/test_notebooks.py` checks the result.
+`reading_words` counts what a learner reads by default (prose and outputs, not code, not
+what a collapsed <details> block holds); save.py prints it and `tests/test_notebooks.py`
+checks it with the rest.
+
+    python notebooks/save.py --words            # every notebook's reading length
 """
 
 from __future__ import annotations
@@ -76,6 +80,30 @@ def tidy(nb: dict) -> dict:
     return nb
 
 
+READING_WORDS = 5000  # a chapter's prose and outputs: about 25 minutes at 200 words a minute
+DETAILS = re.compile(r"<details>.*?</details>", re.S)  # collapsed: read on demand
+PICTURES = ("image/png", "image/svg+xml")  # their text/plain is only a stand-in
+
+
+def reading_words(nb: dict) -> int:
+    """Words a learner reads top to bottom: markdown cells and every cell's outputs (streams,
+    Markdown, the plain text of a value that is not a picture), less what sits inside a
+    collapsed <details> block (solutions, "going further"). The code is read on top."""
+    chunks = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            chunks.append("".join(cell["source"]))
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text" in out:
+                chunks.append("".join(out["text"]))
+            elif "text/markdown" in data:
+                chunks.append("".join(data["text/markdown"]))
+            elif "text/plain" in data and not any(k in data for k in PICTURES):
+                chunks.append("".join(data["text/plain"]))
+    return len(DETAILS.sub(" ", "\n".join(chunks)).split())
+
+
 def write(nb: dict, path: Path) -> None:
     """The repository's notebook format: one-space indent, sorted keys, UTF-8 as is."""
     path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
@@ -95,10 +123,17 @@ def run(path: Path, timeout: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("notebooks", nargs="+", help="file names in notebooks/ or paths")
+    parser.add_argument("notebooks", nargs="*", help="file names in notebooks/ or paths")
     parser.add_argument("--tidy-only", action="store_true", help="do not execute, only tidy")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell (900)")
+    parser.add_argument("--words", action="store_true", help="print reading lengths only")
     args = parser.parse_args(argv)
+    if args.words:
+        for path in sorted(HERE.glob("[0-9][0-9]_*.ipynb")):
+            print(f"{reading_words(json.loads(path.read_text())):6d}  {path.name}")
+        return
+    if not args.notebooks:
+        parser.error("name the notebooks to run (or --words)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # notebooks never download by default
     for name in args.notebooks:
         path = Path(name) if Path(name).exists() else HERE / name
@@ -106,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{name}: no such notebook (give a file in {HERE} or a path)")
         nb = json.loads(path.read_text()) if args.tidy_only else run(path, args.timeout)
         write(tidy(nb), path)
-        print(f"saved {path.name}")
+        words = reading_words(nb)
+        print(f"saved {path.name}: {words} words of prose and outputs (at most {READING_WORDS})")
 
 
 if __name__ == "__main__":

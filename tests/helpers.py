@@ -1,6 +1,7 @@
 """Small helpers shared by the package tests."""
 
 import importlib
+import re
 from functools import cache
 
 from minillm.generation import greedy_params as greedy  # noqa: F401  (the tests' name)
@@ -53,3 +54,10 @@ SMOLLM2_CONVERSATIONS = [
         {"role": "user", "content": "Another one, please?"},
     ],
 ]
+
+
+# A figure as prose states one: 1.5x, 38%, 12 ms, 0.3 s, 60 GB/s, 512 MiB, 49 tok/s (not a
+# "p50, ms" column head, not "4 x 128"). The notebook, docs and CLAIMS provenance tests use it.
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x|\s?(?:%|ms|µs|s|GB/s|MiB|GiB|tok/s))(?![\w/])"
+)

@@ -83,16 +83,33 @@ def test_llama_cpp_layout_round_trips():
     assert not torch.equal(rope_from_interleaved(w, 3), w)
 
 
-@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def q8_0_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0 by hand (ggml-quants.c): per block of 32 weights of a row, d = max|w|
+    / 127, q = w x (1 / d) rounded half away from zero, stored as q and d in fp16: w' = q d."""
+    g = w.float().reshape(w.shape[0], -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    x = g * torch.where(d == 0, 0, 1 / d)
+    q = torch.sign(x) * torch.floor(x.abs() + 0.5)
+    return (q * d.half().float()).reshape(w.shape)
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_exported_bundled_model_reads_back(tmp_path, monkeypatch, model, outtype):
     # chapter 08's exporter writes llama.cpp's layout; reading it back must give the same
-    # tensors (f16: the same tensors rounded to f16) and the same tokenizer.
+    # tensors (f16: rounded to f16; q8_0: through Q8_0's blocks) and the same tokenizer.
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))
     path = export_gguf(None, tmp_path / f"bundled-{outtype}.gguf", outtype=outtype)
     back = load_model(path)
     for name, w in model.state_dict().items():
-        want = w.half().float() if outtype == "f16" and w.dim() == 2 else w
-        assert torch.equal(back.state_dict()[name], want), name
+        want = w
+        if outtype == "f16" and w.dim() == 2:
+            want = w.half().float()
+        elif outtype == "q8_0" and w.dim() == 2:
+            want = q8_0_roundtrip(w)
+        got = back.state_dict()[name]
+        assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max()), (
+            f"{name}: {outtype} read back {(got - want).abs().max():.3g} from the expected weights"
+        )
     ours, theirs = load_tokenizer(path), load_tokenizer()
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text)

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import resolve
+from helpers import FIGURE, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "notebooks"
@@ -146,3 +146,96 @@ def test_a_generated_paragraph_reads_once(name):
 def test_paragraph_cells_are_found():
     save = _save_module()
     assert sum(save.renders_a_paragraph(c) for n in NAMES for c in cells(n)) >= 30
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_it_reads_in_at_most_5000_words(name):
+    """Prose and outputs a learner reads top to bottom (save.reading_words: the code on top,
+    collapsed <details> on demand): about 25 minutes, not an hour."""
+    save = _save_module()
+    words = save.reading_words(json.loads(DIR.joinpath(name).read_text()))
+    assert words <= save.READING_WORDS, (
+        f"{name} reads {words} words of prose and outputs, over {save.READING_WORDS}: move "
+        "reference material to docs/ or a collapsed <details> block, print less"
+    )
+
+
+def test_reading_words_skip_code_and_collapsed_blocks():
+    save = _save_module()
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "source": ["one two <details>three four</details> five"]},
+            {
+                "cell_type": "code",
+                "source": ["not counted = 1"],
+                "outputs": [
+                    {"output_type": "stream", "text": ["six seven"]},
+                    {
+                        "output_type": "display_data",
+                        "data": {"image/png": "...", "text/plain": ["<Figure>"]},
+                    },
+                    {"output_type": "execute_result", "data": {"text/plain": ["eight"]}},
+                ],
+            },
+        ]
+    }
+    assert save.reading_words(nb) == 6
+
+
+# A figure a notebook's static Markdown states must be in its outputs (so the run produced it),
+# unless it is not a measurement: a setting, the article's own figure, or arithmetic. Those
+# are listed here with why; anything else belongs in a cell that formats it from the run.
+STATED: dict[str, dict[str, str]] = {
+    "05": {"256 MiB": "the size of the buffer whose sum measures the read speed, a setting"},
+}
+
+
+def outputs_text(name: str) -> str:
+    """Everything the committed run printed or displayed as text, one string."""
+    chunks = []
+    for cell in cells(name):
+        for out in cell.get("outputs", []):
+            chunks.append("".join(out.get("text", "")))
+            chunks += ["".join(v) for k, v in out.get("data", {}).items() if k.startswith("text")]
+    return "\n".join(chunks)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_static_prose_states_only_figures_its_run_printed(name):
+    shown = outputs_text(name)
+    stated = STATED.get(name[:2], {})
+    strays = []
+    for cell in cells(name):
+        if cell["cell_type"] == "markdown":
+            for figure in FIGURE.findall(
+                re.sub(r"<details>.*?</details>", "", text(cell), flags=re.S)
+            ):
+                if figure not in shown and figure not in stated:
+                    strays.append(figure)
+    assert not strays, (
+        f"{name}'s Markdown states {strays}, which no output of its run shows: format them "
+        "from the run in a display(Markdown(...)) cell, or list a setting or an article's "
+        "figure in STATED with why"
+    )
+
+
+def test_source_details_shows_the_code_collapsed(monkeypatch):
+    import IPython.display
+
+    from minillm.lab.notebook import source_details
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    source_details("Going further: the source", source_details)
+    block = shown[0].data
+    assert block.startswith("<details><summary>Going further: the source</summary>")
+    assert "def source_details(summary: str" in block and block.endswith("</details>")
+
+
+def test_show_source_prints_the_code_without_its_docstring(capsys):
+    from minillm.lab.notebook import show_source
+
+    show_source(show_source)
+    printed = capsys.readouterr().out
+    assert printed.startswith("def show_source(") and "for fn in functions:" in printed
+    assert "the lines that do the work" not in printed

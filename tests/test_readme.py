@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import FIGURE
 
 from benchmarks import readme_table
 
@@ -150,8 +151,8 @@ def test_claims_decode_roofline_figures_are_the_results_files():
         " read-bandwidth bound",
         f"{readme_table.span(peer)} llama.cpp f32",
         f"the first compile took {runs[0]['variants'][compiled]['compile_s']:.0f} s",
-        f"three committed runs (`python -m benchmarks.kv_cache --model smollm2 --roofline "
-        f"--llama-cpp --runs {len(runs)}`",
+        f"{len(runs)} committed runs (`python -m benchmarks.kv_cache --model smollm2 --roofline "
+        f"--llama-cpp --runs {len(runs)}`)",
     ]
     row = next(line for line in (ROOT / "CLAIMS.md").read_text().splitlines() if "| 05.5 |" in line)
     missing = [w for w in want if w not in row]
@@ -195,3 +196,32 @@ def test_claims_llama_server_figures_are_the_results_files():
     ]
     missing = [w for w in table if w not in page]
     assert not missing, f"docs/llama_cpp.md should state {missing} (from the results file)"
+
+
+# A figure a docs page states is a setting, a test's bound or arithmetic (listed here with
+# why), or a measurement a test holds to its results file (docs/llama_cpp.md's table, above).
+# Anything measured otherwise belongs in a notebook or a results file.
+DOCS_FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x|\s?(?:%|ms|µs|s|GB/s|MiB|GiB|tok/s))(?![\w/])"
+)
+DOCS_STATED = {
+    "benchmarks.md": {"30 s": "how long a command takes, roughly"},
+    "choosing.md": {"5 ms": "PeakMemory's sampling interval, a setting"},
+    "kv_cache.md": {"512 MiB": "the size of the buffer whose sum measures the read bandwidth"},
+    "onnx.md": {"4x": "fp32 to int8 is 4 bytes to 1: arithmetic"},
+    "server.md": {"2 MiB": "the --max-request-bytes default", "0.3 s": "a test's bound"},
+    "llama_cpp.md": {
+        **dict.fromkeys(["0.93x", "1.00x"], "held to its results file by the test above"),
+        "90%": "a test's bound",
+    },
+}
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_a_docs_page_states_no_untested_measurement(page):
+    stated = DOCS_STATED.get(page.name, {})
+    strays = [f for f in FIGURE.findall(page.read_text()) if f not in stated]
+    assert not strays, (
+        f"docs/{page.name} states {strays}: a measurement belongs in a notebook's output or "
+        "a results file (read by code); a setting or arithmetic goes in DOCS_STATED with why"
+    )

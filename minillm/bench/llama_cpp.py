@@ -129,28 +129,32 @@ def decode_tokens_per_s(
 ) -> list[float]:
     """llama.cpp's own batch-1 decode speed on `gguf`: `rounds` greedy generations of
     `tokens` tokens (EOS ignored) after `prompt` (token ids), one llama-server slot with an
-    f32 KV cache; per round, the decode tokens/s llama-server reports itself
-    (`timings.predicted_per_second`: its decode time alone, no HTTP or prefill). The
-    peer for minillm's batch-1 decode (benchmarks/kv_cache.py --roofline)."""
+    f32 KV cache (`decode_once` each). The peer for minillm's batch-1 decode
+    (benchmarks/kv_cache.py --roofline)."""
     port = free_port()
     proc = llama_server.start(gguf, port, 1, threads=threads, ctx_per_slot=len(prompt) + tokens)
+    try:
+        speeds = [decode_once(port, prompt, tokens) for _ in range(rounds + 1)]
+    finally:
+        stop([proc])
+    return speeds[1:]  # the first round warms up
+
+
+def decode_once(port: int, prompt: list[int], tokens: int) -> float:
+    """One greedy generation of `tokens` tokens (EOS ignored, no prompt cache) after `prompt`
+    on the llama-server at `port`: the decode tokens/s it reports itself
+    (`timings.predicted_per_second`: its decode time alone, no HTTP or prefill)."""
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True}
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/completion",
         data=json.dumps(body | {"cache_prompt": False}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    speeds = []
-    try:
-        for _ in range(rounds + 1):  # the first round warms up
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                reply = json.load(resp)
-            if reply["timings"]["predicted_n"] != tokens:
-                raise RuntimeError(f"llama-server decoded {reply['timings']['predicted_n']} tokens")
-            speeds.append(reply["timings"]["predicted_per_second"])
-    finally:
-        stop([proc])
-    return speeds[1:]
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        reply = json.load(resp)
+    if reply["timings"]["predicted_n"] != tokens:
+        raise RuntimeError(f"llama-server decoded {reply['timings']['predicted_n']} tokens")
+    return reply["timings"]["predicted_per_second"]
 
 
 # ------------------------------------------------------------------ llama-server --parallel N

@@ -76,13 +76,18 @@ def tokenizer_fields(model_dir: Path) -> dict:
     }
 
 
+OUTTYPES = ("f32", "f16", "q8_0")
+
+
 def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str = "f32") -> Path:
     """Write `model_dir` (None: the bundled model) to `out_path` as GGUF; weight matrices in
-    `outtype` ("f32" or "f16"), norms always f32. Returns the path."""
+    `outtype` ("f32", "f16", or "q8_0": llama.cpp's 8-bit blocks of 32 with an fp16 scale,
+    quantized by the `gguf` package as llama.cpp's own quantizer does), norms always f32.
+    Returns the path."""
     import gguf
 
-    if outtype not in ("f32", "f16"):
-        raise ValueError(f"outtype must be 'f32' or 'f16', got {outtype!r}")
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
     model_dir = resolve_model_dir(model_dir)
     cfg = load_config(model_dir)
     if cfg.architecture != "LlamaForCausalLM" or cfg.rope_scaling or cfg.qkv_bias:
@@ -106,8 +111,8 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    ftype = gguf.LlamaFileType.ALL_F32 if outtype == "f32" else gguf.LlamaFileType.MOSTLY_F16
-    w.add_file_type(ftype)
+    ftype = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}[outtype]
+    w.add_file_type(gguf.LlamaFileType[ftype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok["pre"])  # llama.cpp's name for the split rule (see above)
@@ -134,10 +139,14 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
             t = rope_to_interleaved(t, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             t = rope_to_interleaved(t, cfg.num_key_value_heads)
-        data = t.numpy()
+        data = np.ascontiguousarray(t.numpy())
         if outtype == "f16" and data.ndim == 2:
             data = data.astype(np.float16)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+        if outtype == "q8_0" and data.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, q8), raw_dtype=q8)
+            continue
+        w.add_tensor(gguf_name(name), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=None, help="checkpoint dir (default: bundled)")
     parser.add_argument("out", help="output .gguf path")
-    parser.add_argument("--outtype", default="f32", choices=["f32", "f16"])
+    parser.add_argument("--outtype", default="f32", choices=OUTTYPES)
     args = parser.parse_args(argv)
     path = export_gguf(args.model, args.out, args.outtype)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")

@@ -8,7 +8,10 @@ and without the article at hand. CLAIMS.md uses the same verdicts and kinds.
 
 from __future__ import annotations
 
+import os
 import re
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ARTICLES = {
@@ -91,11 +94,36 @@ class Claim:
             raise ValueError(f"kind {self.kind!r}: use one of {KINDS}")
 
 
+def span(values: Sequence[float], fmt: Callable[[float], str] = lambda v: f"{v:.2f}x") -> str:
+    """`min-max` of figures over runs or rounds as `fmt` prints them (`+1.0% to +2.0%` for
+    signed ones), or one figure when the two print the same: a range, never the best alone."""
+    low, high = fmt(min(values)), fmt(max(values))
+    if low == high:
+        return low
+    if low.startswith(("+", "-")):
+        return f"{low} to {high}"
+    return f"{low.rstrip('x%')}-{high}"
+
+
+def this_run() -> str:
+    """The machine, torch and date a table's figures come from (CLAIMS.md copies the line)."""
+    import torch
+
+    from minillm.lab.machine import cpu_name
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
+    return (
+        f"{device}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d', time.gmtime())}"
+    )
+
+
 def claims_table(claims: list[Claim]) -> str:
-    """Markdown: source (with English titles), claim, measured here, verdict (kind)."""
+    """Markdown: source (with English titles), claim, measured here, verdict (kind), and a
+    last line naming the machine and date of the run (`this_run`)."""
     lines = ["| source | claim | measured here | verdict |", "|---|---|---|---|"]
     for c in claims:
         lines.append(
             f"| {cite(c.source)} | {c.claim} | {c.measured} | **{c.verdict}** ({c.kind}) |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", f"*This run: {this_run()}*"])
