@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if CLAIMS.md is stale")
     args = ap.parse_args(argv)
-    return generated.rewrite(CLAIMS, update(CLAIMS.read_text()), "tables are", COMMAND, args.check)
+    return generated.rewrite(CLAIMS, update(CLAIMS.read_text()), "tables", COMMAND, args.check)
 
 
 if __name__ == "__main__":

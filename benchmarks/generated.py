@@ -15,11 +15,11 @@ def rewrite(path: Path, new: str, what: str, command: str, check: bool) -> int:
     old = path.read_text()
     if check:
         if new != old:
-            print(f"{path.name}'s {what} out of date: run {command}", file=sys.stderr)
+            print(f"{path.name}, {what}: out of date, run {command}", file=sys.stderr)
             return 1
-        print(f"{path.name}'s {what} up to date")
+        print(f"{path.name}, {what}: up to date")
         return 0
     if new != old:
         path.write_text(new)
-    print(f"{path.name}: {what} " + ("rewritten" if new != old else "already up to date"))
+    print(f"{path.name}, {what}: " + ("rewritten" if new != old else "already up to date"))
     return 0

@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table())
         return 0
     return generated.rewrite(
-        README, update(README.read_text()), "results table is", COMMAND, args.check
+        README, update(README.read_text()), "results table", COMMAND, args.check
     )
 
 

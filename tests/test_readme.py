@@ -225,3 +225,15 @@ def test_a_docs_page_states_no_untested_measurement(page):
         f"docs/{page.name} states {strays}: a measurement belongs in a notebook's output or "
         "a results file (read by code); a setting or arithmetic goes in DOCS_STATED with why"
     )
+
+
+def test_a_generated_part_is_checked_without_being_written(tmp_path, capsys):
+    from benchmarks import generated
+
+    page = tmp_path / "PAGE.md"
+    page.write_text("old")
+    assert generated.rewrite(page, "new", "table", "make it", check=True) == 1
+    assert page.read_text() == "old" and "out of date, run make it" in capsys.readouterr().err
+    assert generated.rewrite(page, "new", "table", "make it", check=False) == 0
+    assert page.read_text() == "new"
+    assert generated.rewrite(page, "new", "table", "make it", check=True) == 0
