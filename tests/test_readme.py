@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -237,3 +238,39 @@ def test_a_generated_part_is_checked_without_being_written(tmp_path, capsys):
     assert generated.rewrite(page, "new", "table", "make it", check=False) == 0
     assert page.read_text() == "new"
     assert generated.rewrite(page, "new", "table", "make it", check=True) == 0
+
+
+def test_the_results_files_table_says_who_reads_each_file():
+    """docs/benchmarks.md lists every committed results file with the notebooks whose code
+    reads it and whether the README's table does: a reader added or dropped shows up here."""
+    rows = re.findall(
+        r"^\| (`[^|]+`) \| [^|]+ \| ([^|]+) \|$",
+        (ROOT / "docs" / "benchmarks.md").read_text(),
+        re.M,
+    )
+    code = {
+        p.name[:2]: "\n".join(
+            "".join(c["source"])
+            for c in json.loads(p.read_text())["cells"]
+            if c["cell_type"] == "code"
+        )
+        for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    }
+    table_code = (ROOT / "benchmarks" / "readme_table.py").read_text()
+    listed = set()
+    for names, readers in rows:
+        first, *more = re.findall(r"`([^`]+)`", names)
+        stem = first.split("-smollm2")[0] + "-smollm2"  # `-zen4.json`: another machine's file
+        files = [first] + [stem + m if m.startswith("-") else m for m in more]
+        for name in files:
+            listed.add(name)
+            family = re.escape(name.split("-smollm2")[0]) + r"-smollm2\*"
+            want = {n for n, text in code.items() if name in text or re.search(family, text)}
+            if name in table_code or re.search(family, table_code):
+                want.add("README")
+            got = set(re.findall(r"\b(\d\d|README)\b", readers.split(";")[0]))
+            assert got == want, (
+                f"docs/benchmarks.md: {name} is read by {sorted(want)}, not {sorted(got)}"
+            )
+    committed = {p.name for p in (ROOT / "benchmarks" / "results").iterdir()}
+    assert committed == listed, f"results files not listed: {sorted(committed - listed)}"
