@@ -69,12 +69,8 @@ def gguf_bytes(path: Path) -> int:
 
 def format_perplexity(model: nn.Module, ids: torch.Tensor, windows: int) -> float:
     """Perplexity of `model` on `windows` windows of 256 tokens of `ids`."""
-
-    def logits(x: torch.Tensor) -> torch.Tensor:
-        return model(x)
-
     with torch.inference_mode():
-        return perplexity(logits, ids, 256, max_windows=windows)
+        return perplexity(model, ids, 256, max_windows=windows)
 
 
 def run(
