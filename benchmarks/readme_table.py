@@ -276,6 +276,20 @@ def peers() -> Row:
     )
 
 
+def tensor_parallel() -> Row:
+    name = "tensor_parallel-tinyllama.json"
+    d = load(name)
+    share = [c["share"] for c in d["collectives"]]
+    lat = d["all_reduce_latency_us"]
+    what = f"Tensor parallel batch-1 decode, {d['model']}, one thread a rank"
+    result = (
+        f"2 ranks {span(d['speedup'])} one rank's tok/s; collectives {span(share, pct)} of a "
+        f"step (an all-reduce: {lat['shared memory']:.0f} us in shared memory, gloo "
+        f"{lat['gloo']:.0f} us)"
+    )
+    return Row(what, result, (name,))
+
+
 def decode_roofline() -> Row:
     name = "decode-roofline-smollm2.json"
     d = load(name)
@@ -342,6 +356,7 @@ ROWS = (
     kv_cache,
     decode_roofline,
     peers,
+    tensor_parallel,
     ort_iobinding,
     quant_methods,
     quant_decode,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,12 @@ def _chat(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from minillm.engine.config import EngineConfig
+    from minillm.engine.parallel import launched_by_torchrun, run_rank
+
+    rank = int(os.environ["RANK"]) if launched_by_torchrun() else 0
+    if args.tensor_parallel_size > 1 and rank > 0:  # a rank of a multi-launch: rank 0 serves
+        run_rank(rank, args.tensor_parallel_size)
+        return
     from minillm.serving.api_server import serve
     from minillm.serving.http import Timeouts
 
@@ -144,6 +151,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_request_bytes,
         timeouts=Timeouts(**{k: v for k, v in given.items() if v is not None}),
         config=config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -220,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=int, default=2048, help="token budget per step"
     )
     srv.add_argument("--seed", type=int, default=None, help="seeds the unseeded requests")
+    srv.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (processes); with torchrun's variables "
+        "set, each rank is launched on its own and rank 0 serves",
+    )
     srv.add_argument(
         "--chat-template", default=None, help="a Jinja file used instead of the model's own"
     )

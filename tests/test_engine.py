@@ -44,7 +44,7 @@ def test_greedy_tokens_equal_generate_with_the_triton_decode_kernel(model, tok, 
     params = greedy(6)
     alone = [generate(model, [p], params)[0] for p in prompts]
     engine = Engine(model, tok, block_size=4, use_kernel=True)
-    assert engine.runner.cache.use_kernel
+    assert engine.runner.worker.cache.use_kernel
     assert [o.outputs[0].token_ids for o in run(engine, prompts, params)] == alone
     assert not leaked(engine)
 
@@ -96,7 +96,7 @@ def test_compiled_decode_steps_give_the_same_tokens(model, tok, workload):
     assert [o.outputs[0].token_ids for o in outs] == [
         generate(model, [p], params)[0] for p in workload[:3]
     ]
-    assert list(engine.runner.graphs) == [(1, 1)]
+    assert list(engine.runner.worker.graphs) == [(1, 1)]
     assert not leaked(engine)
 
 

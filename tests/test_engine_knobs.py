@@ -63,7 +63,7 @@ def test_the_engine_runs_in_fp16(model, tok):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for prompt in PROMPTS:
         engine = Engine(half, tok, block_size=4)
-        assert engine.runner.cache.k[0].dtype == torch.float16
+        assert engine.runner.worker.cache.k[0].dtype == torch.float16
         expected = generate(half, [tok.encode(prompt)], params)[0]
         assert sample(engine, [prompt], params) == [expected], prompt
 
@@ -122,7 +122,7 @@ def test_engine_sizes_its_pool_from_the_memory_fraction(model, tok, monkeypatch)
     monkeypatch.setattr(memory, "cpu_available_bytes", lambda: 100 * per_block)
     engine = Engine(model, tok, gpu_memory_utilization=0.5)
     assert engine.manager.num_blocks == 50 == engine.pool_plan.blocks
-    assert engine.runner.cache.nbytes == 51 * per_block
+    assert engine.runner.worker.cache.nbytes == 51 * per_block
     assert Engine(model, tok, num_blocks=7, gpu_memory_utilization=0.5).manager.num_blocks == 7
     monkeypatch.setattr(memory, "cpu_available_bytes", lambda: per_block)
     with pytest.raises(ValueError, match="no KV block fits"):
@@ -143,10 +143,9 @@ def test_llm_passes_its_knobs_to_the_engine(monkeypatch):
     assert fixed.engine.manager.num_blocks == 9 and fixed.engine.pool_plan is None
 
 
-@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 4}])
-def test_model_parallelism_is_refused_with_what_it_would_do(kwargs):
-    with pytest.raises(ValueError, match="one device.*In vLLM it would"):
-        LLM(**kwargs)
+def test_pipeline_parallelism_is_refused_with_what_it_would_do():
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1.*In vLLM it would"):
+        LLM(pipeline_parallel_size=4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles CUDA memory")

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,9 @@ from typing import Any
 from minillm.bench.metrics import percentiles
 from minillm.bench.openai_http import run_async
 from minillm.bench.workload import SEED
+from minillm.lab.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from minillm.bench import llama_cpp, llama_server
-from minillm.bench.http_load import free_port
 from minillm.bench.quant import decode_step
 from minillm.bench.quant_decode import group_size_for, step_bytes
 from minillm.export.gguf import export_gguf
 from minillm.lab import time_samples
+from minillm.lab.ranks import free_port
 from minillm.model import Transformer, load_model, load_tokenizer
 from minillm.model.layout import decode_layout
 from minillm.model.weights import resolve_model_dir

@@ -20,8 +20,16 @@ from tqdm.auto import tqdm
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import Engine, final_only
 from minillm.engine.outputs import RequestOutput
+from minillm.engine.parallel import TensorParallel
 from minillm.generation.sampling import SamplingParams
-from minillm.model.weights import load_model, load_tokenizer
+from minillm.model.tokenizer import Tokenizer
+from minillm.model.weights import (
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+)
 
 Prompt = str | list[int] | dict
 
@@ -42,8 +50,9 @@ class LLM:
       `num_gpu_blocks_override`) sets the pool's size instead.
     - `max_num_batched_tokens`: the scheduler's token budget per step; `max_num_seqs`: the
       most sequences running at once.
-    - `tensor_parallel_size` and `pipeline_parallel_size` other than 1 are refused:
-      minillm runs on one device.
+    - `tensor_parallel_size`: the model is split across that many processes (ranks),
+      each holding 1/N of every layer (`minillm.engine.parallel`); the tokens are the same.
+      `pipeline_parallel_size` other than 1 is refused. Call `close()` to stop the ranks.
     """
 
     def __init__(
@@ -57,15 +66,20 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         **settings: Any,
     ) -> None:
-        check_single_device(tensor_parallel_size, pipeline_parallel_size)
+        check_single_device(pipeline_parallel_size)
         config = EngineConfig.of(
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, **settings
         )
         self.model_name = model or "minillm-bundled"
         self.tokenizer = load_tokenizer(model)
         # dtype "auto": bf16 (T4: fp16) on a GPU, fp32 on a CPU (vLLM reads the checkpoint)
-        weights = load_model(model, dtype=dtype, device=device or "auto")
-        self.engine = Engine(weights, self.tokenizer, config)
+        self.engine = build_engine(
+            model, dtype, device or "auto", self.tokenizer, config, tensor_parallel_size
+        )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do on one device)."""
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -122,27 +136,40 @@ class LLM:
         return [done[r] for r in ids]
 
 
-def check_single_device(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
-    """Refuse model parallelism: minillm runs the whole model on one device."""
-    for name, size, what in [
-        (
-            "tensor_parallel_size",
-            tensor_parallel_size,
-            "split every layer's weight matrices across that many GPUs (each computes a slice "
-            "of every matmul and an all-reduce joins them), for a model too big for one GPU or "
-            "to cut each step's time",
-        ),
-        (
-            "pipeline_parallel_size",
-            pipeline_parallel_size,
-            "place consecutive layers on that many GPUs and stream micro-batches through them",
-        ),
-    ]:
-        if size != 1:
-            raise ValueError(
-                f"{name}={size}: minillm runs the whole model on one device, so use {name}=1. "
-                f"In vLLM it would {what}."
-            )
+def check_single_device(pipeline_parallel_size: int) -> None:
+    """Refuse pipeline parallelism: minillm splits a model by tensor parallelism only."""
+    if pipeline_parallel_size != 1:
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline_parallel_size}: minillm does not split a model "
+            "by layers, so use pipeline_parallel_size=1 (tensor_parallel_size splits every "
+            "layer instead). In vLLM it would place consecutive layers on that many GPUs and "
+            "stream micro-batches through them."
+        )
+
+
+def build_engine(
+    model: str | None,
+    dtype: str | torch.dtype,
+    device: str,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+    tensor_parallel_size: int = 1,
+) -> Engine:
+    """An engine over the whole checkpoint on one device, or over rank 0's shard with the
+    ranks holding the others (`tensor_parallel_size` > 1; they stop if the engine fails to
+    start)."""
+    if tensor_parallel_size == 1:
+        return Engine(load_model(model, dtype=dtype, device=device), tokenizer, config)
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
+    on = resolve_device(device)
+    model_dir = resolve_model_dir(model)
+    parallel = TensorParallel(model_dir, tensor_parallel_size, resolve_dtype(dtype, on), on.type)
+    try:
+        return Engine(parallel.model, tokenizer, config, parallel=parallel)
+    except BaseException:
+        parallel.close()
+        raise
 
 
 def _unwrap(prompt: Prompt) -> str | list[int]:

@@ -22,7 +22,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.config import EngineConfig
@@ -33,10 +33,14 @@ from minillm.engine.model_runner import ModelRunner
 from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.engine.scheduler import Batch, Scheduler
 from minillm.engine.sequence import Sequence
+from minillm.engine.worker import CacheSettings, Worker
 from minillm.generation.loop import finish_reason, stop_ids
 from minillm.generation.sampling import SamplingParams
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from minillm.engine.parallel import TensorParallel
 
 
 @dataclass(eq=False)
@@ -76,10 +80,12 @@ class Engine:
         model: Transformer,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
+        parallel: TensorParallel | None = None,
         **settings: Any,
     ) -> None:
         """`settings` are `EngineConfig`'s fields, a shorthand for `config=EngineConfig(...)`
-        (`Engine(model, tok, max_num_seqs=8)`)."""
+        (`Engine(model, tok, max_num_seqs=8)`). `parallel`: the ranks of a tensor-parallel
+        model, `model` being rank 0's shard (`minillm.engine.parallel`)."""
         if config is not None and settings:
             raise ValueError(f"give config= or settings {sorted(settings)}, not both")
         self.config = cfg = config or EngineConfig.of(**settings)
@@ -91,7 +97,13 @@ class Engine:
         use_kernel = cfg.use_kernel
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
             use_kernel = on_gpu and cfg.kv_cache_dtype == "auto"  # it reads unquantized K/V
-        decode_mode = cfg.decode_mode or ("cuda_graph" if on_gpu else "eager")
+        # a recorded step would hold the ranks' collectives too: tensor parallel runs eager
+        decode_mode = cfg.decode_mode or ("cuda_graph" if on_gpu and not parallel else "eager")
+        if parallel is not None and decode_mode in ("compile", "cuda_graph"):
+            raise ValueError(
+                f"decode_mode={decode_mode!r} records the forward, and a tensor-parallel "
+                "forward waits on the other ranks in Python: use 'eager' or 'static'"
+            )
         self.context = model.config.max_position_embeddings
         # num_blocks, else a fraction of memory (memory.py), else every sequence at full context
         num_blocks, self.pool_plan = pool_blocks(
@@ -109,10 +121,13 @@ class Engine:
             self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill,
             cfg.static, cfg.preemption_mode,
         )  # fmt: skip
-        self.runner = ModelRunner(
-            model, self.manager, use_kernel, num_swap_blocks, decode_mode, cfg.max_num_seqs,
+        settings = CacheSettings(
+            num_blocks, cfg.block_size, use_kernel, num_swap_blocks, decode_mode,
             cfg.kv_cache_dtype,
         )  # fmt: skip
+        worker = Worker(model, settings)
+        ranks = worker if parallel is None else parallel.attach(worker, settings)
+        self.runner = ModelRunner(model, self.manager, ranks, cfg.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_steps = self.num_prompt_tokens = self.num_generated_tokens = 0
@@ -172,6 +187,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (one device: nothing to do)."""
+        self.runner.worker.close()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:

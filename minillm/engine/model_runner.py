@@ -1,13 +1,9 @@
-"""Turn a scheduled batch into one forward of the model on the paged KV cache, and sample
-each sequence's next token with its own parameters and RNG: token ids in, token ids out.
+"""Turn a scheduled batch into one `Step` for the worker(s) holding the model and the paged
+KV cache (`worker.py`), and sample each sequence's next token from the logits that come
+back with its own parameters and RNG: token ids in, token ids out.
 
-Decode-only steps have a fast path, as in nano-vLLM and vLLM: the batch is padded to a
-bucket size (1, 2, 4, 8, 16, 32, ... up to max_num_seqs) and its inputs written into
-buffers that keep their addresses, so the step can be recorded once per bucket as a CUDA
-graph and replayed with one launch (`decode_mode="cuda_graph"`, the default on a GPU), or
-compiled once per bucket with torch.compile (`"compile"`). `"eager"` runs every step
-as Python; `"static"` runs the padded path eagerly (what the graph records, checkable on a
-CPU).
+Decode-only steps take the padded path unless `decode_mode="eager"` (`worker.py` says
+why): the batch is padded to a bucket size (1, 2, 4, 8, 16, 32, ... up to max_num_seqs).
 
 A failure is kept to the request that caused it. Each sequence draws its token on its own,
 so a sampler that raises fails only its sequence. If the batched forward raises, the step's
@@ -19,87 +15,69 @@ fail alone are marked failed, the others get exactly the tokens they would have 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from minillm.cache.block_manager import BlockManager
-from minillm.cache.paged import PagedKVCache
 from minillm.engine.scheduler import Batch, Sampled, Scheduled
 from minillm.engine.sequence import Sequence
+from minillm.engine.worker import Pairs, Step, Worker
 from minillm.generation.loop import stop_ids
 from minillm.generation.processors import token_logprobs
 from minillm.generation.sampling import sample
 from minillm.model.transformer import Transformer
 
+if TYPE_CHECKING:
+    from minillm.engine.parallel import TensorParallel
+
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the K/V pool (and its CPU swap pool); `run(batch)` returns the sampled tokens."""
+    """Builds each step and samples its tokens; `worker` (one `Worker`, or every rank's
+    through `minillm.engine.parallel`) holds the model and the K/V pool and runs it."""
 
     def __init__(
         self,
         model: Transformer,
         manager: BlockManager,
-        use_kernel: bool = False,
-        num_swap_blocks: int = 0,
-        decode_mode: str = "eager",
+        worker: Worker | TensorParallel,
         max_batch: int = 32,
-        kv_cache_dtype: str = "auto",
     ) -> None:
-        if decode_mode == "cuda_graph" and not model.lm_head.weight.is_cuda:
-            raise ValueError("decode_mode='cuda_graph' needs the model on a GPU: use 'static'")
-        self.model, self.manager, self.decode_mode = model, manager, decode_mode
+        self.model, self.manager, self.worker = model, manager, worker
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
         self.buckets.append(max_batch)
         self.max_blocks = manager.blocks_for(model.config.max_position_embeddings)
-        self.graphs: dict[tuple[int, int], Any] = {}  # (rows, table width) -> recording
-        self.device = model.lm_head.weight.device
-        dtype = model.lm_head.weight.dtype
-        self.cache = PagedKVCache(
-            model.config,
-            manager.num_blocks,
-            manager.block_size,
-            dtype,
-            self.device,
-            use_kernel,
-            num_swap_blocks,
-            kv_cache_dtype,
-        )
 
-    def inputs(
-        self, items: list[Scheduled]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[Scheduled, list[int]]]]:
-        """(ids [1, N], positions [1, N], the rows that get logits, and for each share whose
-        prompt logprobs are wanted, the positions whose logits give them).
+    def inputs(self, items: list[Scheduled]) -> tuple[Step, list[tuple[Scheduled, list[int]]]]:
+        """The step of `items`, and for each share whose prompt logprobs are wanted, the
+        positions whose logits give them.
 
         All the step's tokens in one row: each one-token item's token (a decode: the last
-        sampled token, at position len - 1), then each chunk's tokens at their positions. The
-        cache is told whose each token is (`plan`: the rows' block tables, in this order);
-        where its K/V go follows from its position. Logit
+        sampled token, at position len - 1), then each chunk's tokens at their positions,
+        each with its row's block table (where its K/V go follows from its position). Logit
         rows: first each sampled share's last token, then the prompt-logprob positions."""
-        ids, positions, last, extra, wanted = [], [], [], [], []
-        decode, prefill = [], []
+        step, last, extra, wanted = Step([], [], [], []), [], [], []
         for item in items:
             seq, start, n = item.seq, item.start, item.num_tokens
-            offset = len(ids)
-            ids += seq.token_ids[start : start + n]
-            positions += range(start, start + n)
+            offset = len(step.ids)
+            step.ids += seq.token_ids[start : start + n]
+            step.positions += range(start, start + n)
             if item.samplers:
-                last.append(len(ids) - 1)
+                last.append(len(step.ids) - 1)
             if seq.needs_prompt_logprobs:  # position p's logits give token p + 1's logprob
                 first = max(start, len(seq.prompt_logprobs))
                 at = list(range(first, min(start + n, seq.num_prompt_tokens - 1)))
                 extra += [offset + p - start for p in at]
                 wanted.append((item, at))
             if n == 1:
-                decode.append(seq.block_table)
+                step.decode.append(seq.block_table)
             else:
-                prefill.append((seq.block_table, n))
-        self.cache.plan(decode, prefill)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor([ids]), as_tensor([positions]), as_tensor(last + extra), wanted
+                step.prefill.append((seq.block_table, n))
+        step.rows = last + extra
+        return step, wanted
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[Sampled]:
@@ -107,11 +85,9 @@ class ModelRunner:
         token per sampler, in the batch's order. Sequences that share prefix blocks may run
         together: every layer writes all tokens' K/V before any token reads. A failure is
         confined to its request (the module's docstring says how)."""
-        self.cache.swap(batch.swap_out, out=True)
-        self.cache.swap(batch.swap_in, out=False)
-        self.cache.copy_blocks(batch.copies)
+        moves = {"swap_out": batch.swap_out, "swap_in": batch.swap_in, "copies": batch.copies}
         try:
-            return self._run(batch.items, fast=True)
+            return self._run(batch.items, fast=True, moves=moves)
         except Exception as err:  # whose fault? run the shares alone to see
             if len(batch.items) == 1:
                 return self._failed(batch.items[0], err)
@@ -131,17 +107,19 @@ class ModelRunner:
         item.error = f"{type(err).__name__}: {err}"
         return [Sampled(-1, error=item.error) for _ in item.samplers]
 
-    def _run(self, items: list[Scheduled], fast: bool) -> list[Sampled]:
-        """Forward `items`, record their prompt logprobs, sample their samplers."""
+    def _run(
+        self, items: list[Scheduled], fast: bool, moves: dict[str, Pairs] | None = None
+    ) -> list[Sampled]:
+        """Forward `items` (after the block `moves`), record their prompt logprobs, sample
+        their samplers."""
         samplers = [item.samplers for item in items if item.samplers]
         decode_only = all(item.num_tokens == 1 and item.samplers for item in items)
-        static = self.decode_mode != "eager" and decode_only and len(items) <= self.buckets[-1]
-        if fast and static:
-            logits = self._static_decode(items)
-            wanted = []
+        padded = self.worker.decode_mode != "eager" and decode_only
+        if fast and padded and len(items) <= self.buckets[-1]:
+            step, wanted = self._padded(items), []
         else:
-            ids, positions, rows, wanted = self.inputs(items)
-            logits = self.model(ids, positions, cache=self.cache, logits_at=rows)[0]
+            step, wanted = self.inputs(items)
+        logits = self.worker.execute(replace(step, **(moves or {})))
         at = len(samplers)
         for item, positions in wanted:
             tokens = [item.seq.token_ids[p + 1] for p in positions]
@@ -150,55 +128,22 @@ class ModelRunner:
             at += len(tokens)
         return self.sample(logits[: len(samplers)].float(), samplers) if samplers else []
 
-    def _static_decode(self, items: list[Scheduled]) -> torch.Tensor:
-        """A decode-only step padded to its bucket, replayed from the bucket's recording.
-        With the Triton kernel the block tables are as wide as the context (the kernel
-        reads only each row's length); the gather path reads every column, so its width is
-        bucketed too (powers of two) and each (rows, width) pair has its own recording."""
+    def _padded(self, items: list[Scheduled]) -> Step:
+        """A decode-only step padded to its bucket. With the Triton kernel the block tables
+        are as wide as the context (the kernel reads only each row's length); the gather
+        path reads every column, so its width is bucketed too (powers of two) and each
+        (rows, width) pair has its own recording."""
         n = len(items)
         rows = next(b for b in self.buckets if b >= n)
         width = self.max_blocks
-        if not self.cache.use_kernel:
+        if not self.worker.cache.use_kernel:
             need = max(len(item.seq.block_table) for item in items)
             width = min(self.max_blocks, 1 << (need - 1).bit_length())
-        self.cache.plan_static_decode([item.seq.block_table for item in items], rows, width)
         tokens = [item.seq.token_ids[item.start] for item in items]
-        step_ids = torch.tensor([tokens + [0] * (rows - n)])
-        step_positions = torch.tensor([[item.start for item in items] + [0] * (rows - n)])
-        if (rows, width) not in self.graphs:  # recording runs the step: on this step's inputs
-            self.graphs[rows, width] = self._record(step_ids, step_positions)
-        ids, positions, out, replay = self.graphs[rows, width]
-        ids.copy_(step_ids)
-        positions.copy_(step_positions)
-        replay()
-        return out[0, :n]
-
-    def _record(self, first_ids: torch.Tensor, first_positions: torch.Tensor) -> tuple:
-        """Fixed input buffers for a bucket, holding the first step's inputs (recording runs
-        the step, and its K/V writes land where that step's tokens go), and a function that
-        runs the step on them: a CUDA graph's replay, a compiled step, or the eager step."""
-        ids, positions = first_ids.to(self.device), first_positions.to(self.device)
-        rows = torch.arange(ids.shape[1], device=self.device)
-
-        def step() -> torch.Tensor:
-            return self.model(ids, positions, cache=self.cache, logits_at=rows)
-
-        if self.decode_mode == "static":
-            out = step()
-            return ids, positions, out, lambda: out.copy_(step())
-        if self.decode_mode == "compile":
-            compiled = torch.compile(step, dynamic=False, fullgraph=True)
-            out = compiled()
-            return ids, positions, out, lambda: out.copy_(compiled())
-        stream = torch.cuda.Stream()  # warm up on a side stream, as graph capture requires
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        return ids, positions, out, graph.replay
+        positions = [item.start for item in items]
+        tables = [item.seq.block_table for item in items]
+        pad = [0] * (rows - n)
+        return Step(tokens + pad, positions + pad, list(range(n)), tables, bucket=(rows, width))
 
     def sample(self, logits: torch.Tensor, samplers: list[list[Sequence]]) -> list[Sampled]:
         """One token per sampling sequence: row r's logits serve every sequence in

@@ -8,6 +8,8 @@ wherever a figure comes from one).
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,14 +70,37 @@ CONFIGS = {
 }
 
 
-def random_model(cfg: str | ModelConfig | dict[str, Any], seed: int = 0) -> Transformer:
+def random_model(
+    cfg: str | ModelConfig | dict[str, Any], seed: int = 0, **overrides: Any
+) -> Transformer:
     """A Transformer with the shapes of `cfg` (a name in CONFIGS, a ModelConfig or an HF
-    config dict) and random weights, in eval mode."""
+    config dict), any HF config keys in `overrides` changed, and random weights, in eval
+    mode."""
     if isinstance(cfg, str):
         if cfg not in CONFIGS:
             raise ValueError(f"unknown model shape {cfg!r}: choose one of {', '.join(CONFIGS)}")
         cfg = CONFIGS[cfg]
-    if isinstance(cfg, dict):
-        cfg = ModelConfig.from_hf(cfg)
+    if isinstance(cfg, ModelConfig):
+        cfg = cfg.to_hf()
+    cfg = ModelConfig.from_hf({**cfg, **overrides})
     torch.manual_seed(seed)
     return Transformer(cfg).eval()
+
+
+def write_random_checkpoint(
+    cfg: str | ModelConfig | dict[str, Any],
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """A checkpoint directory of `random_model(cfg, seed, **overrides)` in `dtype`, with the
+    bundled model's tokenizer (so that it runs in the engine: keep vocab_size=4096 where
+    its tokens must be detokenized). For the code that loads from disk, such as each
+    tensor-parallel rank reading its shard."""
+    from minillm.model.weights import BUNDLED_DIR, save_model
+
+    out_dir = save_model(random_model(cfg, seed, **overrides).to(dtype), out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_DIR / name, out_dir / name)
+    return out_dir

@@ -55,6 +55,7 @@ def create_app(
         state.core.stop(timeout=2.0)  # a step takes ms: one still running after 2 s is stuck
         # (the engine thread is a daemon: it cannot hold the process); every unfinished
         # request gets its shutdown error
+        engine.close()  # the tensor-parallel ranks, if any
         state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", version=__version__, lifespan=lifespan)
@@ -73,16 +74,21 @@ def build_app(
     timeouts: Timeouts = DEFAULT_TIMEOUTS,
     device: str | None = None,
     config: EngineConfig | None = None,
+    tensor_parallel_size: int = 1,
 ) -> FastAPI:
     """Load a checkpoint (None: the bundled model) on `device` (None: cuda if present) and
-    wrap an engine with `config` in the server app. `chat_template`: a Jinja file (or the
-    template itself) used instead of the model's."""
+    wrap an engine with `config` in the server app, its model split over
+    `tensor_parallel_size` ranks. `chat_template`: a Jinja file (or the template itself)
+    used instead of the model's."""
     import torch
 
-    from minillm.model.weights import load_model, load_tokenizer
+    from minillm.engine.llm import build_engine
+    from minillm.model.weights import load_tokenizer
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(load_model(model, device=device), load_tokenizer(model), config)
+    tokenizer, config = load_tokenizer(model), config or EngineConfig()
+    engine = build_engine(
+        model, torch.float32, device or "auto", tokenizer, config, tensor_parallel_size
+    )
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     name = served_model_name or model or "minillm-bundled"

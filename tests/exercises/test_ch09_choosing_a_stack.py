@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from minillm.bench import Trace, compute_metrics, load_workload, make_backend, percentiles
 from minillm.model.weights import load_tokenizer
@@ -173,3 +175,65 @@ def test_ch09_request_metrics_bursty_chunks_count_tokens_for_tpot(ch09, recorded
             f"tokens - 1 ({t.num_tokens - 1}), not by chunks - 1 ({len(t.token_times) - 1})"
         )
     assert_pooled_equal(ch09, bursty)
+
+
+def _mlp_weights(seed: int, hidden: int = 16, inter: int = 48) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, hidden, generator=g)
+    gate, up = torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g)
+    return x, gate, up, torch.randn(hidden, inter, generator=g) / inter**0.5
+
+
+def _dense_mlp(x, gate, up, down) -> torch.Tensor:
+    return F.silu(x @ gate.T) * (x @ up.T) @ down.T
+
+
+def _one_rank(rank: int, size: int, fn, seed: int) -> dict:
+    """A rank of the test: the weights outside its slice are NaN (reading them shows), its
+    all-reduces counted."""
+    import torch.distributed as dist
+
+    x, gate, up, down = _mlp_weights(seed)
+    n = gate.shape[0] // size
+    mine = slice(rank * n, (rank + 1) * n)
+    masked = [torch.full_like(w, float("nan")) for w in (gate, up, down)]
+    masked[0][mine], masked[1][mine], masked[2][:, mine] = gate[mine], up[mine], down[:, mine]
+    shapes = []
+
+    def all_reduce(t: torch.Tensor) -> None:
+        shapes.append(tuple(t.shape))
+        dist.all_reduce(t)
+
+    out = fn(x, *masked, rank, size, all_reduce)
+    return {"out": out, "all_reduces": shapes}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ch09_parallel_mlp_matches_the_whole_mlp_on_every_rank(ch09, size):
+    from minillm.lab.ranks import run_ranks
+
+    x, gate, up, down = _mlp_weights(0)
+    alone = ch09.parallel_mlp(x, gate, up, down, 0, 1, lambda t: None)  # one rank: no split
+    want = _dense_mlp(x, gate, up, down)
+    assert torch.allclose(alone, want, atol=1e-5), (
+        "parallel_mlp on one rank (size=1): expected the plain MLP down(silu(gate(x)) * up(x)), "
+        f"got values off by {(alone - want).abs().max():.3g}; hint: gate and up are [inter, "
+        "hidden] (x @ gate.T), down is [hidden, inter]"
+    )
+    for rank, got in enumerate(run_ranks(_one_rank, size, ch09.parallel_mlp, 0)):
+        out, reduces = got["out"], got["all_reduces"]
+        assert not out.isnan().any(), (
+            f"rank {rank} of {size}: its output has NaN, so it read weights outside its slice "
+            f"(they are NaN here); hint: rows [{rank} * inter / {size}, ({rank} + 1) * inter / "
+            f"{size}) of gate and up, the same columns of down"
+        )
+        assert reduces == [tuple(want.shape)], (
+            f"rank {rank} of {size}: expected one all_reduce of the output {tuple(want.shape)}, "
+            f"got {len(reduces)} call(s) on {reduces}; hint: the silu and product are per MLP "
+            "unit, so nothing is summed before down's partial product"
+        )
+        assert torch.allclose(out, want, atol=1e-5), (
+            f"rank {rank} of {size}: expected the whole MLP's output, got values off by "
+            f"{(out - want).abs().max():.3g}; hint: all_reduce sums the ranks' partial products "
+            "in place: return the tensor you passed it"
+        )

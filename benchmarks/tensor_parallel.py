@@ -1,0 +1,47 @@
+"""Tensor parallelism on this CPU: batch-1 decode on two ranks against one, in one run.
+
+    python -m benchmarks.tensor_parallel [--rounds 5] [--quick] [--json out.json]
+
+A TinyLlama-1.1B-shaped model (random weights, 4.4 GB in fp32) on one rank and split over two
+(`LLM(tensor_parallel_size=2)`'s ranks, one thread each), timed in turn in every round, with
+the collectives' share of a step and the read bandwidth of one core and of two measured in the
+same rounds (`minillm.bench.tensor_parallel`). The last line is one `SUMMARY
+tensor_parallel:` line.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from minillm.bench import tensor_parallel as tp
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    ap = report.parser(__doc__, quick="4 layers, 3 rounds (under a minute)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, both sizes in each (5)")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.threads != 1:
+        ap.error("--threads: the ranks run one thread each; this benchmark takes 1")
+    run = report.start("tensor_parallel", args)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = tp.run(
+            Path(tmp), layers=4 if args.quick else None, rounds=3 if args.quick else args.rounds
+        )
+    tp.print_result(result)
+    share = [c["share"] for c in result["collectives"]]
+    summary = (
+        f"TP=2 {tp.span(result['speedup'])}x TP=1 decode tok/s at batch 1; collectives "
+        f"{tp.span(share, '{:.1%}')} of a TP=2 step; 2-core/1-core read bandwidth "
+        f"{tp.span(result['bandwidth_ratio'])}x"
+    )
+    return run.finish(result, summary)
+
+
+if __name__ == "__main__":
+    main()

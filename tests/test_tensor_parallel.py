@@ -1,0 +1,258 @@
+"""Tensor parallelism: N ranks (gloo processes on this CPU) compute what one device does.
+
+Logits within 1e-4 of the unsplit model and greedy tokens identical, batched, preempted and
+in chunks, on the bundled model and on a shape that divides as real models do (TinyLlama's
+32 query heads over 4 KV heads, fewer layers); a rank that dies or hangs ends in an error,
+not a hang; `serve` launched rank by rank through env:// answers the openai client with
+TP=1's text and stops every rank on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.bench.http_load import free_port
+from minillm.engine import parallel
+from minillm.engine.parallel import TensorParallel
+from minillm.engine.worker import CacheSettings, Step, Worker
+from minillm.model.parallel import check_divides, shard_config
+from minillm.model.shapes import write_random_checkpoint
+from minillm.model.weights import BUNDLED_DIR, load_config, load_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["In the beginning", "And the LORD said unto Moses, Speak", "Blessed are the", "Amen"]
+
+
+@pytest.fixture(scope="module")
+def tinyllama_dir(tmp_path_factory):
+    """TinyLlama-1.1B's head layout (32 heads, 4 KV heads, width 2048, MLP 5632) with one
+    layer and the bundled tokenizer's 4096-token vocabulary."""
+    out = tmp_path_factory.mktemp("tinyllama")
+    overrides = {"num_hidden_layers": 1, "vocab_size": 4096, "max_position_embeddings": 256}
+    return write_random_checkpoint("TinyLlama-1.1B", out, dtype=torch.float16, **overrides)
+
+
+def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def step_logits(model_dir, size: int) -> torch.Tensor:
+    """One prefill step of two prompts' chunks and a decode row, on `size` ranks."""
+    model = load_model(model_dir) if size == 1 else None
+    ranks = None if size == 1 else TensorParallel(model_dir, size, torch.float32, "cpu")
+    model = model if ranks is None else ranks.model
+    settings = CacheSettings(num_blocks=16, block_size=4)
+    worker = Worker(model, settings)
+    run = worker if ranks is None else ranks.attach(worker, settings)
+    try:
+        prompt = [5, 17, 300, 41, 9, 88, 1000, 7, 3]
+        first = Step(prompt[:6], list(range(6)), [5], [], [([0, 1], 6)])
+        second = Step(  # a decode row (block 2) and a chunk continuing the first prompt
+            [12, *prompt[6:]], [0, 6, 7, 8], [0, 1, 2, 3], [[2]], [([0, 1, 3], 3)]
+        )
+        return torch.cat([run.execute(first), run.execute(second)])
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_split_logits_match_the_whole_model(size):
+    """4 ranks of the bundled model's 2 KV heads: each KV head replicated on two ranks."""
+    whole = step_logits(BUNDLED_DIR, 1)
+    split = step_logits(BUNDLED_DIR, size)
+    assert split.shape == whole.shape
+    torch.testing.assert_close(split, whole, atol=1e-4, rtol=0)
+
+
+def test_split_logits_match_on_tinyllama_heads(tinyllama_dir):
+    torch.testing.assert_close(
+        step_logits(tinyllama_dir, 2), step_logits(tinyllama_dir, 1), atol=1e-4, rtol=0
+    )
+
+
+def test_a_vocabulary_that_does_not_divide_is_padded(tmp_path):
+    model_dir = write_random_checkpoint(load_config(BUNDLED_DIR), tmp_path, vocab_size=4095)
+    whole, split = step_logits(model_dir, 1), step_logits(model_dir, 2)
+    assert split.shape[-1] == 4095
+    torch.testing.assert_close(split, whole, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # batched, chunked prefill
+        {"num_blocks": 6, "block_size": 8},  # preemption by recompute
+        {"num_blocks": 6, "block_size": 8, "preemption_mode": "swap"},
+        {"max_num_batched_tokens": 5, "max_num_seqs": 2},  # small chunks, a queue
+    ],
+)
+def test_greedy_tokens_identical_to_one_rank(settings):
+    one = LLM(device="cpu", **settings)
+    expected = tokens(one)
+    two = LLM(device="cpu", tensor_parallel_size=2, **settings)
+    try:
+        assert tokens(two) == expected
+    finally:
+        two.close()
+
+
+def test_greedy_tokens_identical_on_tinyllama_heads(tinyllama_dir):
+    expected = tokens(LLM(str(tinyllama_dir), device="cpu"))
+    two = LLM(str(tinyllama_dir), device="cpu", tensor_parallel_size=2)
+    try:
+        assert tokens(two) == expected
+    finally:
+        two.close()
+
+
+def test_sizes_that_do_not_divide_are_refused_with_the_sizes_that_do():
+    cfg = load_config(BUNDLED_DIR)  # 4 heads, 2 KV heads, MLP 384
+    with pytest.raises(ValueError, match=r"does not divide num_attention_heads=4.*\[1, 2, 4\]"):
+        LLM(tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=">= 1"):
+        check_divides(cfg, 0)
+    assert shard_config(cfg, 4).num_key_value_heads == 1  # replicated, not zero
+
+
+def test_a_rank_that_dies_fails_the_next_request_with_an_error():
+    llm = LLM(device="cpu", tensor_parallel_size=2)
+    try:
+        ranks = llm.engine.runner.worker
+        ranks.procs[0].kill()
+        ranks.procs[0].join(5)
+        start = time.monotonic()
+        out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+        assert "rank 1 exited" in out.error and out.outputs[0].finish_reason == "abort"
+        assert time.monotonic() - start < 5
+    finally:
+        llm.close()
+
+
+def test_a_rank_that_hangs_times_out_into_an_error(monkeypatch):
+    monkeypatch.setattr(parallel, "TIMEOUT", parallel.timedelta(seconds=3))
+    llm = LLM(device="cpu", tensor_parallel_size=2)
+    ranks = llm.engine.runner.worker
+    try:
+        os.kill(ranks.procs[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+        assert out.error is not None and "stopped answering" in out.error
+        assert time.monotonic() - start < 20
+        again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]  # fails at once now
+        assert "restart the engine" in again.error
+    finally:
+        ranks.procs[0].kill()
+        llm.close()
+
+
+def _serve(rank: int, port: int, master: int, extra: list[str]) -> subprocess.Popen:
+    env = os.environ | {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master),
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "minillm", "serve", "--port", str(port), *extra]
+    return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited ({server.returncode}): {server.stderr.read()}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"no /health answer on port {port} in {timeout} s")
+
+
+def test_serve_launched_rank_by_rank_answers_openai_with_one_ranks_text():
+    """Two separate launches meeting through env:// (as on two machines), then SIGTERM to
+    rank 0 stops both; Ctrl-C on rank 1 alone is ignored (rank 0 owns shutdown)."""
+    openai = pytest.importorskip("openai")
+    port, master = free_port(), free_port()
+    one = LLM(device="cpu")
+    prompt, n = "And the LORD said unto Moses", 16
+    expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=n))[0]
+    args = ["--tensor-parallel-size", "2", "--device", "cpu"]
+    worker = _serve(1, port, master, args)
+    server = _serve(0, port, master, args)
+    try:
+        wait_until_healthy(port, server, timeout=90)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        reply = client.completions.create(
+            model="minillm-bundled", prompt=prompt, max_tokens=n, temperature=0
+        )
+        assert reply.choices[0].text == expected.outputs[0].text
+        worker.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert worker.poll() is None  # still serving its shard
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == -signal.SIGTERM  # uvicorn re-raises it after its shutdown
+        assert worker.wait(30) == 0  # stopped by rank 0's close, not killed
+    finally:
+        for proc in (server, worker):
+            proc.kill()
+            proc.wait()
+
+
+def _collectives(rank: int, size: int, port: int, path: str, out) -> None:
+    import torch.distributed as dist
+
+    from minillm.model.parallel import SharedMemoryCollectives
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    comm = SharedMemoryCollectives(path, rank, size, timeout_s=10)
+    results = []
+    for shape, dtype in [
+        ((3, 5), torch.float32),
+        ((7,), torch.bfloat16),
+        ((2**21,), torch.float32),
+    ]:
+        x = torch.full(shape, float(rank + 1), dtype=dtype)  # the last is past a slot
+        comm.all_reduce(x)
+        parts = comm.all_gather(torch.arange(4.0) + 10 * rank)
+        results.append((x.unique().tolist(), x.dtype, [p.tolist() for p in parts]))
+    out.put((rank, results))
+    dist.destroy_process_group()
+
+
+def test_shared_memory_collectives_sum_and_gather_in_rank_order(tmp_path):
+    from minillm.model.parallel import SharedMemoryCollectives
+
+    size, path, ctx = 3, str(tmp_path / "shm"), torch.multiprocessing.get_context("spawn")
+    SharedMemoryCollectives.create(path, size)
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_collectives, args=(r, size, port, path, out)) for r in range(size)]
+    for proc in procs:
+        proc.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(10)
+    gathered = [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0], [20.0, 21.0, 22.0, 23.0]]
+    for rank in range(size):
+        for (values, dtype, parts), want in zip(
+            got[rank], [torch.float32, torch.bfloat16, torch.float32], strict=True
+        ):
+            assert values == [6.0] and dtype == want  # 1 + 2 + 3, in the tensor's own dtype
+            assert parts == gathered
+
+
+def test_a_recorded_decode_mode_is_refused_and_the_ranks_stop():
+    with pytest.raises(ValueError, match="use 'eager' or 'static'"):
+        LLM(device="cpu", tensor_parallel_size=2, decode_mode="compile")
