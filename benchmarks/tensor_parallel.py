@@ -18,6 +18,7 @@ from typing import Any
 
 from benchmarks import report
 from minillm.bench import tensor_parallel as tp
+from minillm.lab.claims import span
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -36,9 +37,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     tp.print_result(result)
     share = [c["share"] for c in result["collectives"]]
     summary = (
-        f"TP=2 {tp.span(result['speedup'])}x TP=1 decode tok/s at batch 1; collectives "
-        f"{tp.span(share, '{:.1%}')} of a TP=2 step; 2-core/1-core read bandwidth "
-        f"{tp.span(result['bandwidth_ratio'])}x"
+        f"TP=2 {span(result['speedup'])} TP=1 decode tok/s at batch 1; collectives "
+        f"{span(share, lambda v: f'{v:.1%}')} of a TP=2 step; 2-core/1-core read bandwidth "
+        f"{span(result['bandwidth_ratio'])}"
     )
     return run.finish(result, summary)
 

@@ -256,3 +256,49 @@ def test_shared_memory_collectives_sum_and_gather_in_rank_order(tmp_path):
 def test_a_recorded_decode_mode_is_refused_and_the_ranks_stop():
     with pytest.raises(ValueError, match="use 'eager' or 'static'"):
         LLM(device="cpu", tensor_parallel_size=2, decode_mode="compile")
+
+
+def test_samples_logprobs_and_shared_prefixes_match_one_rank():
+    """n > 1 (forked sequences sharing their prompt's blocks), seeded sampling, logprobs and
+    prompt logprobs (logit rows past the sampled ones) and a prefix-cache hit, on 2 ranks."""
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8, logprobs=2)
+    params_p = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    long = "And the LORD said unto Moses, Speak unto the children of Israel, and say unto them, "
+    prompts = [long * 3, "And the LORD said unto"]  # the first fills whole KV blocks
+
+    def run(llm: LLM):
+        a = llm.generate(prompts, params, use_tqdm=False)
+        b = llm.generate(prompts[:1], params_p, use_tqdm=False)[0]
+        texts = [[c.token_ids for c in o.outputs] for o in a]
+        logprobs = [c.cumulative_logprob for o in a for c in o.outputs]
+        prompt = [max(d.values(), key=lambda x: x.logprob).logprob for d in b.prompt_logprobs[1:]]
+        again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]  # its blocks are cached
+        return texts, logprobs, prompt, again.num_cached_tokens
+
+    expected = run(LLM(device="cpu"))
+    two = LLM(device="cpu", tensor_parallel_size=2)
+    try:
+        got = run(two)
+    finally:
+        two.close()
+    assert got[0] == expected[0]
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(expected[1]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(expected[2]), atol=1e-4, rtol=0)
+    assert got[3] == expected[3] > 0  # the second call hit the prefix cache on both
+
+
+def test_each_rank_holds_its_share_of_the_weights_and_the_cache(tinyllama_dir):
+    whole = load_model(tinyllama_dir)
+    llm = LLM(str(tinyllama_dir), device="cpu", tensor_parallel_size=2, num_blocks=8)
+    try:
+        shard, cache = llm.engine.model, llm.engine.runner.worker.cache
+
+        def linear(model) -> int:  # the norms are replicated: count the split matrices
+            return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+        assert linear(shard.model.layers) * 2 == linear(whole.model.layers)
+        vocab_rows = shard.model.embed_tokens.weight.shape[0]
+        assert vocab_rows * 2 == whole.config.vocab_size
+        assert cache.k.shape[3] == 2  # 4 KV heads over 2 ranks
+    finally:
+        llm.close()

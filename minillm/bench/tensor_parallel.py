@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from minillm.engine.parallel import TensorParallel
 from minillm.engine.worker import CacheSettings, Step, Worker
 from minillm.lab import measure_roofline
+from minillm.lab.claims import span
 from minillm.lab.ranks import free_port
 from minillm.model.parallel import Collectives, CommStats, SharedMemoryCollectives
 from minillm.model.shapes import write_random_checkpoint
@@ -180,23 +181,20 @@ def run(
     }
 
 
-def span(values: list[float], fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
-
-
 def print_result(r: dict[str, Any]) -> None:
+    ms, pct, gbs = (lambda v: f"{v:.0f}"), (lambda v: f"{v:.0%}"), (lambda v: f"{v:.1f}")
     print(f"{r['model']}: {r['weight_bytes'] / 1e9:.2f} GB of weights, context {r['context']}")
     for name in ("TP=1", "TP=2"):
         print(
-            f"  {name}: {span(r['tok_s'][name])} tok/s ({span(r['step_ms'][name], '{:.0f}')} ms a "
-            f"step), {span(r['of_bound'][name], '{:.0%}')} of its read-bandwidth bound"
+            f"  {name}: {span(r['tok_s'][name], gbs)} tok/s ({span(r['step_ms'][name], ms)} ms "
+            f"a step), {span(r['of_bound'][name], pct)} of its read-bandwidth bound"
         )
     c, lat = r["collectives"], r["all_reduce_latency_us"]
+    share = span([x["share"] for x in c], lambda v: f"{v:.1%}")
     print(
-        f"  TP=2 / TP=1: {span(r['speedup'])}x; collectives: {c[0]['calls_per_step']:.0f} a "
-        f"step, {c[0]['bytes_per_step'] / 1e3:.0f} kB, {span([x['ms_per_step'] for x in c])} ms "
-        f"= {span([x['share'] for x in c], '{:.1%}')} of a step (waiting for the other rank "
-        "included)"
+        f"  TP=2 / TP=1: {span(r['speedup'])}; collectives: {c[0]['calls_per_step']:.0f} a "
+        f"step, {c[0]['bytes_per_step'] / 1e3:.0f} kB, {span([x['ms_per_step'] for x in c], gbs)}"
+        f" ms = {share} of a step (waiting for the other rank included)"
     )
     print(
         f"  one all-reduce of a token's hidden state, back to back: shared memory "
@@ -204,7 +202,7 @@ def print_result(r: dict[str, Any]) -> None:
     )
     bw = r["read_bandwidth_gb_s"]
     print(
-        f"  read bandwidth: 1 core {span(bw['1 core'], '{:.1f}')} GB/s, 2 cores "
-        f"{span(bw['2 cores'], '{:.1f}')} GB/s (ratio {span(r['bandwidth_ratio'])}); TP=2's "
-        f"ceiling, two cores' bandwidth over TP=1's streaming rate: {span(r['speedup_ceiling'])}x"
+        f"  read bandwidth: 1 core {span(bw['1 core'], gbs)} GB/s, 2 cores "
+        f"{span(bw['2 cores'], gbs)} GB/s (ratio {span(r['bandwidth_ratio'])}); TP=2's ceiling, "
+        f"two cores' bandwidth over TP=1's streaming rate: {span(r['speedup_ceiling'])}"
     )

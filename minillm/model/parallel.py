@@ -39,7 +39,8 @@ from safetensors import safe_open
 from torch import nn
 
 from minillm.model.config import ModelConfig
-from minillm.model.transformer import Transformer, rope_inv_freq
+from minillm.model.transformer import Transformer
+from minillm.model.weights import assign_weights
 
 
 def check_divides(cfg: ModelConfig, size: int) -> None:
@@ -329,9 +330,4 @@ def load_shard(
     if cfg.tie_word_embeddings:  # the head is the embedding: read once
         names.remove("lm_head.weight")
     state = read_shard(model_dir, names, cfg, rank, size)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.eval()
+    return assign_weights(model, state, dtype, torch.device(device))

@@ -158,11 +158,20 @@ def load_model(
         model = Transformer(cfg)
     state = load_state_dict(model_dir)
     _check_tensors(model, state)
+    return assign_weights(model, state, dtype, device)
+
+
+def assign_weights(
+    model: Transformer, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> Transformer:
+    """Put `state`'s tensors (in `dtype` on `device`) into a model built on the meta device,
+    tie the LM head to the embedding where the config says so, and rebuild the rotation
+    frequencies there: the model, in eval mode."""
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.inv_freq = rope_inv_freq(model.config).to(device)
     return model.eval()
 
 
