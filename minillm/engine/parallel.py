@@ -180,6 +180,12 @@ class TensorParallel:
                 )
             dist.init_process_group(_backend(), rank=0, world_size=size, timeout=TIMEOUT)
         else:  # ranks 1..size-1 on this machine, the cores shared out
+            if device == "cuda" and torch.cuda.device_count() < size:
+                raise ValueError(
+                    f"tensor_parallel_size={size} needs {size} GPUs, one a rank, and this "
+                    f"machine has {torch.cuda.device_count()}: use device='cpu' (the ranks share "
+                    "its cores) or a smaller size"
+                )
             threads = max(1, torch.get_num_threads() // size)
             torch.set_num_threads(threads)
             if platform.machine().lower() in ("x86_64", "amd64") and device == "cpu":
