@@ -35,10 +35,13 @@ PROMPTS = ["In the beginning", "And the LORD said unto Moses, Speak", "Blessed a
 @pytest.fixture(scope="module")
 def tinyllama_dir(tmp_path_factory):
     """TinyLlama-1.1B's head layout (32 heads, 4 KV heads, width 2048, MLP 5632) with one
-    layer and the bundled tokenizer's 4096-token vocabulary."""
+    layer and the bundled tokenizer's 4096-token vocabulary, in several safetensors files
+    with an index (each rank finds its tensors through it)."""
     out = tmp_path_factory.mktemp("tinyllama")
     overrides = {"num_hidden_layers": 1, "vocab_size": 4096, "max_position_embeddings": 256}
-    return write_random_checkpoint("TinyLlama-1.1B", out, dtype=torch.float16, **overrides)
+    return write_random_checkpoint(
+        "TinyLlama-1.1B", out, dtype=torch.float16, max_shard_bytes=2**25, **overrides
+    )
 
 
 def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:

@@ -149,17 +149,21 @@ class SharedMemoryCollectives(Collectives):
     def __init__(self, path: str | Path, rank: int, size: int, timeout_s: float) -> None:
         super().__init__()
         self.rank, self.size, self.timeout_s, self.calls = rank, size, timeout_s, 0
-        nbytes = 64 * size + 2 * size * self.SLOT_BYTES
+        nbytes = self.file_bytes(size)
         buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         self.counters = buffer[: 8 * size].view(torch.int64).numpy()
         self.slots = buffer[64 * size :].view(2, size, self.SLOT_BYTES)
 
-    @staticmethod
-    def create(path: str | Path, size: int) -> None:
+    @classmethod
+    def file_bytes(cls, size: int) -> int:
+        """The file's size: room for the counters (64 bytes a rank), then two sets of slots."""
+        return 64 * size + 2 * size * cls.SLOT_BYTES
+
+    @classmethod
+    def create(cls, path: str | Path, size: int) -> None:
         """The zeroed file every rank maps (rank 0 makes it before the others start)."""
-        nbytes = 64 * size + 2 * size * SharedMemoryCollectives.SLOT_BYTES
         with open(path, "wb") as f:
-            f.truncate(nbytes)
+            f.truncate(cls.file_bytes(size))
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of x (views into the slots, valid until the next call)."""
@@ -280,24 +284,26 @@ def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
 def read_shard(
     model_dir: Path, names: list[str], cfg: ModelConfig, rank: int, size: int
 ) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s slice of each tensor in `names`, read from disk slice by slice."""
+    """Rank `rank`'s slice of each tensor in `names`, read from disk slice by slice (each
+    safetensors file opened once)."""
     files, slices = _checkpoint_files(model_dir), _slices(cfg, rank, size)
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} has no tensor {missing[0]!r}: is it this model?")
     state = {}
-    for name in names:
-        if name not in files:
-            raise ValueError(f"checkpoint {model_dir} has no tensor {name!r}: is it this model?")
-        with safe_open(files[name], "pt") as f:
-            part = f.get_slice(name)
-            kind = ".".join(name.split(".")[-2:])
-            if kind not in slices:
-                state[name] = part[:]
-                continue
-            dim, start, end = slices[kind]
-            stop = min(end, part.get_shape()[dim])
-            tensor = part[start:stop] if dim == 0 else part[:, start:stop]
-            if stop < end:  # the last vocabulary slice: pad with rows that are never used
-                tensor = F.pad(tensor, (0, 0, 0, end - stop))
-            state[name] = tensor
+    for file in dict.fromkeys(files[n] for n in names):
+        with safe_open(file, "pt") as f:
+            for name in (n for n in names if files[n] == file):
+                part, kind = f.get_slice(name), ".".join(name.split(".")[-2:])
+                if kind not in slices:
+                    state[name] = part[:]
+                    continue
+                dim, start, end = slices[kind]
+                stop = min(end, part.get_shape()[dim])
+                tensor = part[start:stop] if dim == 0 else part[:, start:stop]
+                if stop < end:  # the last vocabulary slice: pad with rows that are never used
+                    tensor = F.pad(tensor, (0, 0, 0, end - stop))
+                state[name] = tensor
     return state
 
 

@@ -92,15 +92,18 @@ def write_random_checkpoint(
     out_dir: str | Path,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
     **overrides: Any,
 ) -> Path:
     """A checkpoint directory of `random_model(cfg, seed, **overrides)` in `dtype`, with the
     bundled model's tokenizer (so that it runs in the engine: keep vocab_size=4096 where
     its tokens must be detokenized). For the code that loads from disk, such as each
-    tensor-parallel rank reading its shard."""
+    tensor-parallel rank reading its shard (`max_shard_bytes`: split into files of that size,
+    with an index, as large checkpoints are)."""
     from minillm.model.weights import BUNDLED_DIR, save_model
 
-    out_dir = save_model(random_model(cfg, seed, **overrides).to(dtype), out_dir)
+    model = random_model(cfg, seed, **overrides).to(dtype)
+    out_dir = save_model(model, out_dir, max_shard_bytes)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED_DIR / name, out_dir / name)
     return out_dir
