@@ -122,11 +122,12 @@ def _chat(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from minillm.engine.config import EngineConfig
-    from minillm.engine.parallel import launched_by_torchrun, run_rank
+    from minillm.engine.rank import launched_by_torchrun, run_rank
 
     rank = int(os.environ["RANK"]) if launched_by_torchrun() else 0
-    if args.tensor_parallel_size > 1 and rank > 0:  # a rank of a multi-launch: rank 0 serves
-        run_rank(rank, args.tensor_parallel_size)
+    size = max(args.tensor_parallel_size, args.pipeline_parallel_size)
+    if size > 1 and rank > 0:  # a rank of a multi-launch: rank 0 serves (and says which kind)
+        run_rank(rank, size)
         return
     from minillm.serving.api_server import serve
     from minillm.serving.http import Timeouts
@@ -152,6 +153,7 @@ def _serve(args: argparse.Namespace) -> None:
         timeouts=Timeouts(**{k: v for k, v in given.items() if v is not None}),
         config=config,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
 
 
@@ -232,8 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="split the model over this many ranks (processes); with torchrun's variables "
+        help="split every layer over this many ranks (processes); with torchrun's variables "
         "set, each rank is launched on its own and rank 0 serves",
+    )
+    srv.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="split the layers over this many ranks, one stage each (launched as above)",
     )
     srv.add_argument(
         "--chat-template", default=None, help="a Jinja file used instead of the model's own"

@@ -136,16 +136,11 @@ def test_llm_passes_its_knobs_to_the_engine(monkeypatch):
     assert engine.scheduler.max_num_batched_tokens == 16 and engine.scheduler.max_num_seqs == 4
     assert engine.pool_plan is not None and engine.manager.num_blocks == engine.pool_plan.blocks
     steps, schedule = [], engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    engine.scheduler.schedule = lambda *args: steps.append(schedule(*args)) or steps[-1]
     llm.generate(["x " * 40, "In the beginning"], FREE, use_tqdm=False)
     assert max(b.num_tokens for b in steps if b) == 16  # the budget, filled, never exceeded
     fixed = LLM(num_gpu_blocks_override=9, device="cpu")
     assert fixed.engine.manager.num_blocks == 9 and fixed.engine.pool_plan is None
-
-
-def test_pipeline_parallelism_is_refused_with_what_it_would_do():
-    with pytest.raises(ValueError, match="pipeline_parallel_size=1.*In vLLM it would"):
-        LLM(pipeline_parallel_size=4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles CUDA memory")

@@ -22,6 +22,7 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.bench.http_load import free_port
 from minillm.engine import parallel
+from minillm.engine import rank as rank_module
 from minillm.engine.parallel import TensorParallel
 from minillm.engine.worker import CacheSettings, Step, Worker
 from minillm.model.parallel import check_divides, shard_config
@@ -141,7 +142,8 @@ def test_a_rank_that_dies_fails_the_next_request_with_an_error():
 
 
 def test_a_rank_that_hangs_times_out_into_an_error(monkeypatch):
-    monkeypatch.setattr(parallel, "TIMEOUT", parallel.timedelta(seconds=3))
+    for module in (parallel, rank_module):  # rank 0's group and its shared-memory collectives
+        monkeypatch.setattr(module, "TIMEOUT", rank_module.timedelta(seconds=3))
     llm = LLM(device="cpu", tensor_parallel_size=2)
     ranks = llm.engine.runner.worker
     try:
@@ -182,15 +184,17 @@ def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> N
     raise AssertionError(f"no /health answer on port {port} in {timeout} s")
 
 
-def test_serve_launched_rank_by_rank_answers_openai_with_one_ranks_text():
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_serve_launched_rank_by_rank_answers_openai_with_one_ranks_text(kind):
     """Two separate launches meeting through env:// (as on two machines), then SIGTERM to
-    rank 0 stops both; Ctrl-C on rank 1 alone is ignored (rank 0 owns shutdown)."""
+    rank 0 stops both; Ctrl-C on rank 1 alone is ignored (rank 0 owns shutdown). Rank 1
+    learns from rank 0 whether it holds a shard or a stage."""
     openai = pytest.importorskip("openai")
     port, master = free_port(), free_port()
     one = LLM(device="cpu")
     prompt, n = "And the LORD said unto Moses", 16
     expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=n))[0]
-    args = ["--tensor-parallel-size", "2", "--device", "cpu"]
+    args = [f"--{kind}-parallel-size", "2", "--device", "cpu"]
     worker = _serve(1, port, master, args)
     server = _serve(0, port, master, args)
     try:

@@ -101,7 +101,7 @@ def collective_latency(calls: int = 2000, size: int = 2) -> dict[str, float]:
     return got[0]
 
 
-def _read_bandwidth(threads: int) -> float:
+def read_bandwidth(threads: int) -> float:
     """Bytes per second of a 512 MiB sum with `threads` threads (then back to one)."""
     torch.set_num_threads(threads)
     try:
@@ -142,8 +142,8 @@ def run(
                             "share": spent.seconds / sum(step_times),
                         }
                     )
-            bandwidth["1 core"].append(_read_bandwidth(1))
-            bandwidth["2 cores"].append(_read_bandwidth(2))
+            bandwidth["1 core"].append(read_bandwidth(1))
+            bandwidth["2 cores"].append(read_bandwidth(2))
     finally:
         two.close()
     latency = collective_latency()

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import Engine, final_only
 from minillm.engine.outputs import RequestOutput
-from minillm.engine.parallel import TensorParallel
+from minillm.engine.parallel import PipelineParallel, TensorParallel
 from minillm.generation.sampling import SamplingParams
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.weights import (
@@ -52,7 +52,9 @@ class LLM:
       most sequences running at once.
     - `tensor_parallel_size`: the model is split across that many processes (ranks),
       each holding 1/N of every layer (`minillm.engine.parallel`); the tokens are the same.
-      `pipeline_parallel_size` other than 1 is refused. Call `close()` to stop the ranks.
+    - `pipeline_parallel_size`: the layers are split across that many processes, each
+      holding consecutive layers, with that many steps in flight. One of the two sizes may
+      be above 1. Call `close()` to stop the ranks.
     """
 
     def __init__(
@@ -66,7 +68,6 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         **settings: Any,
     ) -> None:
-        check_single_device(pipeline_parallel_size)
         config = EngineConfig.of(
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, **settings
         )
@@ -74,11 +75,12 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         # dtype "auto": bf16 (T4: fp16) on a GPU, fp32 on a CPU (vLLM reads the checkpoint)
         self.engine = build_engine(
-            model, dtype, device or "auto", self.tokenizer, config, tensor_parallel_size
-        )
+            model, dtype, device or "auto", self.tokenizer, config,
+            tensor_parallel_size, pipeline_parallel_size,
+        )  # fmt: skip
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do on one device)."""
+        """Stop the parallel ranks (nothing to do on one device)."""
         self.engine.close()
 
     def get_tokenizer(self):
@@ -136,17 +138,6 @@ class LLM:
         return [done[r] for r in ids]
 
 
-def check_single_device(pipeline_parallel_size: int) -> None:
-    """Refuse pipeline parallelism: minillm splits a model by tensor parallelism only."""
-    if pipeline_parallel_size != 1:
-        raise ValueError(
-            f"pipeline_parallel_size={pipeline_parallel_size}: minillm does not split a model "
-            "by layers, so use pipeline_parallel_size=1 (tensor_parallel_size splits every "
-            "layer instead). In vLLM it would place consecutive layers on that many GPUs and "
-            "stream micro-batches through them."
-        )
-
-
 def build_engine(
     model: str | None,
     dtype: str | torch.dtype,
@@ -154,17 +145,27 @@ def build_engine(
     tokenizer: Tokenizer,
     config: EngineConfig,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> Engine:
-    """An engine over the whole checkpoint on one device, or over rank 0's shard with the
-    ranks holding the others (`tensor_parallel_size` > 1; they stop if the engine fails to
-    start)."""
-    if tensor_parallel_size == 1:
+    """An engine over the whole checkpoint on one device, or over rank 0's part with the
+    ranks holding the others (a size above 1; they stop if the engine fails to start)."""
+    sizes = {"tensor": tensor_parallel_size, "pipeline": pipeline_parallel_size}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}_parallel_size={size!r} must be an integer >= 1")
+    if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} with pipeline_parallel_size="
+            f"{pipeline_parallel_size}: minillm splits a model one way at a time, so set one "
+            "of them to 1"
+        )
+    if tensor_parallel_size == pipeline_parallel_size == 1:
         return Engine(load_model(model, dtype=dtype, device=device), tokenizer, config)
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
     on = resolve_device(device)
     model_dir = resolve_model_dir(model)
-    parallel = TensorParallel(model_dir, tensor_parallel_size, resolve_dtype(dtype, on), on.type)
+    kind = TensorParallel if tensor_parallel_size > 1 else PipelineParallel
+    size = max(tensor_parallel_size, pipeline_parallel_size)
+    parallel = kind(model_dir, size, resolve_dtype(dtype, on), on.type)
     try:
         return Engine(parallel.model, tokenizer, config, parallel=parallel)
     except BaseException:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +33,7 @@ from minillm.engine.limits import check_request
 from minillm.engine.memory import SWAP_SPACE, pool_blocks
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minillm.engine.scheduler import Batch, Scheduler
+from minillm.engine.scheduler import Batch, Sampled, Scheduler, StepRecord
 from minillm.engine.sequence import Sequence
 from minillm.engine.worker import CacheSettings, Worker
 from minillm.generation.loop import finish_reason, stop_ids
@@ -40,7 +42,7 @@ from minillm.model.tokenizer import Tokenizer
 from minillm.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from minillm.engine.parallel import TensorParallel
+    from minillm.engine.parallel import Ranks
 
 
 @dataclass(eq=False)
@@ -60,18 +62,6 @@ class Request:
         return len(self.seqs) == self.params.num_samples and done
 
 
-@dataclass
-class StepRecord:
-    """What one step did (engine.trace, for timelines and utilisation)."""
-
-    step: int
-    start: float
-    end: float
-    decode_ids: list[str]  # requests that generated a token from a one-token row
-    prefill_tokens: dict[str, int]  # request -> prompt tokens computed in this step
-    preempted: list[str]
-
-
 class Engine:
     """Continuous batching over a paged KV cache, chunked prefill by default."""
 
@@ -80,12 +70,12 @@ class Engine:
         model: Transformer,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
-        parallel: TensorParallel | None = None,
+        parallel: Ranks | None = None,
         **settings: Any,
     ) -> None:
         """`settings` are `EngineConfig`'s fields, a shorthand for `config=EngineConfig(...)`
-        (`Engine(model, tok, max_num_seqs=8)`). `parallel`: the ranks of a tensor-parallel
-        model, `model` being rank 0's shard (`minillm.engine.parallel`)."""
+        (`Engine(model, tok, max_num_seqs=8)`). `parallel`: the ranks of a tensor- or
+        pipeline-parallel model, `model` being rank 0's part (`minillm.engine.parallel`)."""
         if config is not None and settings:
             raise ValueError(f"give config= or settings {sorted(settings)}, not both")
         self.config = cfg = config or EngineConfig.of(**settings)
@@ -97,8 +87,13 @@ class Engine:
         use_kernel = cfg.use_kernel
         if use_kernel is None:  # decode attention: the Triton kernel on a GPU, a gather on CPU
             use_kernel = on_gpu and cfg.kv_cache_dtype == "auto"  # it reads unquantized K/V
-        # a recorded step would hold the ranks' collectives too: tensor parallel runs eager
+        # a recorded step would hold the ranks' collectives too: parallel engines run eager
         decode_mode = cfg.decode_mode or ("cuda_graph" if on_gpu and not parallel else "eager")
+        if parallel is not None and parallel.pipeline and decode_mode != "eager":
+            raise ValueError(
+                f"decode_mode={decode_mode!r} pads token ids into fixed buffers, and a "
+                "pipeline's stages after the first take hidden states: use 'eager'"
+            )
         if parallel is not None and decode_mode in ("compile", "cuda_graph"):
             raise ValueError(
                 f"decode_mode={decode_mode!r} records the forward, and a tensor-parallel "
@@ -128,6 +123,8 @@ class Engine:
         worker = Worker(model, settings)
         ranks = worker if parallel is None else parallel.attach(worker, settings)
         self.runner = ModelRunner(model, self.manager, ranks, cfg.max_num_seqs)
+        # a pipeline's steps in flight, oldest first
+        self.in_flight: deque[tuple[Batch, Callable[[], list[Sampled]]]] = deque()
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_steps = self.num_prompt_tokens = self.num_generated_tokens = 0
@@ -186,28 +183,42 @@ class Engine:
         return self._emit(request, force=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any (one device: nothing to do)."""
+        """Stop the parallel ranks, if any (one device: nothing to do)."""
         self.runner.worker.close()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, postprocess, emit: the outputs of the requests that moved."""
+        """Schedule, run, postprocess, emit: the outputs of the requests that moved.
+
+        A pipeline first fills its stages: while fewer steps are in flight than it has
+        stages, the next step is scheduled from the sequences that are not in one (an even
+        share of them), and started. Then the oldest step's tokens are waited for, as one
+        device's step is."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
+        depth, sched = self.runner.worker.depth, self.scheduler
+        while len(self.in_flight) < depth:
+            in_flight = frozenset(s for batch, _ in self.in_flight for s in batch.sequences())
+            # each stage's step takes an even share of the sequences (one device: all)
+            share = len(sched.running) + len(sched.waiting) + len(sched.swapped)
+            batch = sched.schedule(in_flight, -(-share // depth) if depth > 1 else None)
+            if batch is None:
+                break
+            self.in_flight.append((batch, self.runner.submit(batch)))  # moves, if no items
+        if not self.in_flight:
             return []
+        batch, tokens = self.in_flight.popleft()
         t1 = time.perf_counter()
-        sampled = self.runner.run(batch) if batch.items else []
+        sampled = tokens()
         t2 = time.perf_counter()
         moved, failed = self.scheduler.postprocess(batch, sampled)
         moved = [seq for seq in moved if self._check_stop(seq, failed)]
         self.num_prompt_tokens += batch.num_prefill_tokens
         self.num_generated_tokens += len(moved)
         if self.trace is not None:
-            self.trace.append(self._record(batch, t1, t2))
+            self.trace.append(batch.record(self.num_steps, t1, t2))
         self.num_steps += 1
         outputs = []
         for seq in failed:  # its whole request goes, with the error; nobody else's
@@ -308,15 +319,6 @@ class Engine:
             request.error,
         )
         return out
-
-    def _record(self, batch: Batch, start: float, end: float) -> StepRecord:
-        prefill = {}
-        for item in batch.items:
-            if item.start < item.seq.num_prompt_tokens:
-                prefill[item.seq.request_id] = prefill.get(item.seq.request_id, 0) + item.num_tokens
-        decode = [i.seq.request_id for i in batch.items if i.start >= i.seq.num_prompt_tokens]
-        preempted = [s.request_id for s in batch.preempted]
-        return StepRecord(self.num_steps, start, end, decode, prefill, preempted)
 
     # ------------------------------------------------------------------ state
     @property

@@ -15,36 +15,30 @@ fail alone are marked failed, the others get exactly the tokens they would have 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from minillm.cache.block_manager import BlockManager
 from minillm.engine.scheduler import Batch, Sampled, Scheduled
 from minillm.engine.sequence import Sequence
-from minillm.engine.worker import Pairs, Step, Worker
+from minillm.engine.worker import Executor, Pairs, Step
 from minillm.generation.loop import stop_ids
 from minillm.generation.processors import token_logprobs
 from minillm.generation.sampling import sample
 from minillm.model.transformer import Transformer
-
-if TYPE_CHECKING:
-    from minillm.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """Builds each step and samples its tokens; `worker` (one `Worker`, or every rank's
-    through `minillm.engine.parallel`) holds the model and the K/V pool and runs it."""
+    through `minillm.engine.parallel`) holds the model and the K/V pool and runs it, up to
+    `worker.depth` steps at once (a pipeline's stages)."""
 
     def __init__(
-        self,
-        model: Transformer,
-        manager: BlockManager,
-        worker: Worker | TensorParallel,
-        max_batch: int = 32,
+        self, model: Transformer, manager: BlockManager, worker: Executor, max_batch: int = 32
     ) -> None:
         self.model, self.manager, self.worker = model, manager, worker
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
@@ -79,23 +73,37 @@ class ModelRunner:
         step.rows = last + extra
         return step, wanted
 
-    @torch.inference_mode()
     def run(self, batch: Batch) -> list[Sampled]:
-        """Copy blocks (swap out, swap in, copy-on-write), run the forward, and sample one
-        token per sampler, in the batch's order. Sequences that share prefix blocks may run
-        together: every layer writes all tokens' K/V before any token reads. A failure is
-        confined to its request (the module's docstring says how)."""
+        """`submit(batch)()`: the step's tokens."""
+        return self.submit(batch)()
+
+    def submit(self, batch: Batch) -> Callable[[], list[Sampled]]:
+        """Start the step: copy blocks (swap out, swap in, copy-on-write), start the forward.
+        Calling what comes back waits for it and samples one token per sampler, in the
+        batch's order. Sequences that share prefix blocks may run together: every layer
+        writes all tokens' K/V before any token reads. A failure is confined to its request
+        (the module's docstring says how)."""
         moves = {"swap_out": batch.swap_out, "swap_in": batch.swap_in, "copies": batch.copies}
         try:
-            return self._run(batch.items, fast=True, moves=moves)
+            started = self._start(batch.items, fast=True, moves=moves)
+        except Exception as err:  # raised when the tokens are asked for
+            started = _raise(err)
+        return lambda: self._finish(batch.items, started)
+
+    @torch.inference_mode()
+    def _finish(
+        self, items: list[Scheduled], started: Callable[[], list[Sampled]]
+    ) -> list[Sampled]:
+        try:
+            return started()
         except Exception as err:  # whose fault? run the shares alone to see
-            if len(batch.items) == 1:
-                return self._failed(batch.items[0], err)
+            if len(items) == 1:
+                return self._failed(items[0], err)
             log.warning("a batched forward failed (%r): its shares run one at a time", err)
         out = []
-        for item in batch.items:
+        for item in items:
             try:
-                out += self._run([item], fast=False)
+                out += self._start([item], fast=False)()
             except Exception as err:  # this share's own failure
                 out += self._failed(item, err)
         return out
@@ -107,19 +115,28 @@ class ModelRunner:
         item.error = f"{type(err).__name__}: {err}"
         return [Sampled(-1, error=item.error) for _ in item.samplers]
 
-    def _run(
+    def _start(
         self, items: list[Scheduled], fast: bool, moves: dict[str, Pairs] | None = None
-    ) -> list[Sampled]:
-        """Forward `items` (after the block `moves`), record their prompt logprobs, sample
-        their samplers."""
+    ) -> Callable[[], list[Sampled]]:
+        """Start the forward of `items` (after the block `moves`); what comes back waits for
+        it, records their prompt logprobs and samples their samplers."""
         samplers = [item.samplers for item in items if item.samplers]
-        decode_only = all(item.num_tokens == 1 and item.samplers for item in items)
+        decode_only = bool(items) and all(i.num_tokens == 1 and i.samplers for i in items)
         padded = self.worker.decode_mode != "eager" and decode_only
         if fast and padded and len(items) <= self.buckets[-1]:
             step, wanted = self._padded(items), []
         else:
             step, wanted = self.inputs(items)
-        logits = self.worker.execute(replace(step, **(moves or {})))
+        logits = self.worker.submit(replace(step, **(moves or {})))
+        return lambda: self._sample_step(logits(), samplers, wanted)
+
+    @torch.inference_mode()
+    def _sample_step(
+        self,
+        logits: torch.Tensor,
+        samplers: list[list[Sequence]],
+        wanted: list[tuple[Scheduled, list[int]]],
+    ) -> list[Sampled]:
         at = len(samplers)
         for item, positions in wanted:
             tokens = [item.seq.token_ids[p + 1] for p in positions]
@@ -175,3 +192,12 @@ class ModelRunner:
         except Exception as err:  # one sequence's failure, kept to it
             log.exception("sampling failed for request %s", seq.request_id)
             return Sampled(-1, error=f"{type(err).__name__}: {err}")
+
+
+def _raise(err: Exception) -> Callable[[], list[Sampled]]:
+    """A step that failed to start: asking for its tokens raises its error."""
+
+    def fail() -> list[Sampled]:
+        raise err
+
+    return fail

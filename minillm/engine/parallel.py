@@ -1,12 +1,20 @@
-"""Tensor parallelism across processes: one rank per device (or per group of CPU cores),
-each holding a shard of the model (`minillm.model.parallel`) and its slice of the KV cache.
+"""Tensor and pipeline parallelism across processes: one rank per device (or per group of
+CPU cores), each holding a part of the model and the KV cache of that part.
 
-Rank 0 is the engine's own process: it schedules, and each step it sends the `Step` to the
-other ranks (one pickled broadcast), then runs it on its own shard. Every rank runs the
-same forward at the same time, meeting at the shards' all-reduces; rank 0 samples from the
-gathered logits, the others drop theirs. nano-vLLM has the same shape (its rank 0 writes
-each step to shared memory); vLLM sends the scheduler's output to every worker the same
-way.
+Rank 0 is the engine's own process (this module is its side; `minillm.engine.rank` is
+what the others run): it schedules, and each step it sends the `Step` to the other ranks
+(one pickled broadcast). nano-vLLM has the same shape (its rank 0 writes each
+step to shared memory); vLLM sends the scheduler's output to every worker the same way.
+
+- **Tensor parallel** (`TensorParallel`): each rank holds a shard of every layer
+  (`minillm.model.parallel`) and runs the step at the same time as the others, meeting at
+  the shards' all-reduces; rank 0 samples from the gathered logits.
+- **Pipeline parallel** (`PipelineParallel`): each rank holds consecutive layers
+  (`minillm.model.pipeline`). Ranks 1..N-1 hold the first stages and rank 0 the last, with
+  the LM head, so hidden states go 1 -> 2 -> ... -> 0 and logits never leave rank 0. Rank 0
+  sends a step and, without waiting for it, the next one: while it runs the last stage of
+  one batch, rank 1 runs the first stage of another (the engine keeps `depth` batches of
+  different sequences in flight, as vLLM's pipeline keeps one per virtual engine).
 
 The ranks find each other through torch.distributed: `LLM(tensor_parallel_size=N)` starts
 ranks 1..N-1 on this machine and rendezvouses on a free local port; when the process was
@@ -25,6 +33,7 @@ terminal sends it to every process) and exit when rank 0 is gone.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -33,9 +42,8 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import timedelta
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,98 +51,27 @@ import torch
 import torch.distributed as dist
 
 from minillm.cache.paged import PagedKVCache
-from minillm.engine.worker import CacheSettings, Step, Worker
-from minillm.lab.ranks import free_port
-from minillm.model.parallel import (
-    Collectives,
-    RankLost,
-    SharedMemoryCollectives,
-    check_divides,
-    load_shard,
+from minillm.engine.rank import (
+    TIMEOUT,
+    ShardSpec,
+    backend,
+    broadcast,
+    launched_by_torchrun,
+    receive_hidden,
+    run_rank,
 )
+from minillm.engine.worker import CacheSettings, Executor, Step, Worker
+from minillm.lab.ranks import free_port
+from minillm.model.config import ModelConfig
+from minillm.model.parallel import RankLost, SharedMemoryCollectives, check_divides
+from minillm.model.pipeline import stage_layers
 from minillm.model.weights import load_config
 
 log = logging.getLogger(__name__)
 
-TIMEOUT = timedelta(seconds=float(os.environ.get("MINILLM_DIST_TIMEOUT", "120")))
 KEEPALIVE_S = 5.0  # an idle rank 0 tells the others it is alive this often
 IDLE = "idle"
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk, where it exists
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """What rank 0 tells every rank to load: the checkpoint, its dtype and device type."""
-
-    model_dir: str
-    dtype: torch.dtype
-    device: str  # "cpu" or "cuda" (each rank takes its own GPU)
-    threads: int | None  # torch threads per rank (None: the process's default)
-    shared_memory: str | None  # the file of SharedMemoryCollectives (None: torch.distributed)
-
-    def collectives(self, rank: int, size: int) -> Collectives:
-        if self.shared_memory is None:
-            return Collectives()
-        return SharedMemoryCollectives(self.shared_memory, rank, size, TIMEOUT.total_seconds())
-
-
-def _backend() -> str:
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def launched_by_torchrun() -> bool:
-    """True when the rendezvous variables are set (torchrun, or by hand): `env://`."""
-    return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"))
-
-
-def _broadcast(message: Any) -> Any:
-    box = [message]
-    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
-    return box[0]
-
-
-def _device(spec: ShardSpec, rank: int) -> torch.device:
-    if spec.device != "cuda":
-        return torch.device(spec.device)
-    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
-
-
-def run_rank(rank: int, size: int, store: tuple[str, int] | None = None) -> None:
-    """Ranks 1..size-1: join the group (through rank 0's store at (host, port), or
-    `env://`), load this rank's shard, run every step rank 0 sends until it sends None
-    (or goes away)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 gets Ctrl-C and stops us
-    if store is None:
-        dist.init_process_group(_backend(), rank=rank, world_size=size, timeout=TIMEOUT)
-    else:
-        client = dist.TCPStore(*store, size, is_master=False, timeout=TIMEOUT)
-        client.add("joined", 1)  # rank 0 waits for this, watching that we are alive
-        dist.init_process_group(
-            _backend(), store=client, rank=rank, world_size=size, timeout=TIMEOUT
-        )
-    try:
-        spec: ShardSpec | None = _broadcast(None)
-        if spec is None:  # rank 0 gave up before the start
-            return
-        if spec.threads is not None:
-            torch.set_num_threads(spec.threads)
-        cfg, comm = load_config(spec.model_dir), spec.collectives(rank, size)
-        device = _device(spec, rank)
-        model = load_shard(spec.model_dir, cfg, rank, size, spec.dtype, device, comm)
-        settings: CacheSettings | None = _broadcast(None)
-        if settings is None:  # rank 0's engine did not start
-            return
-        worker = Worker(model, settings)
-        while (step := _broadcast(None)) is not None:
-            if isinstance(step, Step):
-                try:
-                    worker.execute(step)
-                except Exception:  # rank 0 fails on the same step and says whose it was
-                    log.debug("rank %d: the step failed", rank, exc_info=True)
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -154,18 +91,21 @@ def _ctrl_c_after() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-class TensorParallel:
-    """Rank 0's handle on every rank: `model` is its own shard; after `attach`,
+class Ranks(Executor):
+    """Rank 0's handle on every rank: `model` is its own part; after `attach`,
     `execute(step)` runs a step on all of them and returns the whole model's logits."""
 
+    pipeline = False  # what the ranks hold: shards (False) or stages (True)
+    name = "tensor"  # as in tensor_parallel_size
+
     def __init__(self, model_dir: str | Path, size: int, dtype: torch.dtype, device: str) -> None:
-        """Start (or join) ranks 1..size-1 and load rank 0's shard of `model_dir`."""
+        """Start (or join) ranks 1..size-1 and load rank 0's part of `model_dir`."""
         cfg = load_config(model_dir)
-        check_divides(cfg, size)
+        self.check(cfg, size)
         if dist.is_initialized():
             raise RuntimeError(
-                "this process already has a torch.distributed group (another tensor-parallel "
-                "engine?): close() it first, one tensor-parallel engine per process"
+                "this process already has a torch.distributed group (another parallel "
+                "engine?): close() it first, one parallel engine per process"
             )
         self.size, self.procs = size, []
         self.lock, self.failed, self.last_sent = threading.Lock(), None, time.monotonic()
@@ -175,20 +115,21 @@ class TensorParallel:
             if int(os.environ["WORLD_SIZE"]) != size or int(os.environ["RANK"]) != 0:
                 raise ValueError(
                     f"WORLD_SIZE={os.environ['WORLD_SIZE']}, RANK={os.environ['RANK']}: this "
-                    f"process must be rank 0 of {size} (tensor_parallel_size={size}); the "
-                    "other ranks run `python -m minillm serve` with their own RANK"
+                    f"process must be rank 0 of {size} ({self.name}_parallel_size={size}); "
+                    "the other ranks run `python -m minillm serve` with their own RANK"
                 )
-            dist.init_process_group(_backend(), rank=0, world_size=size, timeout=TIMEOUT)
+            dist.init_process_group(backend(), rank=0, world_size=size, timeout=TIMEOUT)
         else:  # ranks 1..size-1 on this machine, the cores shared out
             if device == "cuda" and torch.cuda.device_count() < size:
                 raise ValueError(
-                    f"tensor_parallel_size={size} needs {size} GPUs, one a rank, and this "
+                    f"{self.name}_parallel_size={size} needs {size} GPUs, one a rank, and this "
                     f"machine has {torch.cuda.device_count()}: use device='cpu' (the ranks share "
                     "its cores) or a smaller size"
                 )
             threads = max(1, torch.get_num_threads() // size)
             torch.set_num_threads(threads)
-            if platform.machine().lower() in ("x86_64", "amd64") and device == "cpu":
+            on_x86 = platform.machine().lower() in ("x86_64", "amd64")
+            if on_x86 and device == "cpu" and not self.pipeline:
                 fd, self.shared_memory = tempfile.mkstemp(prefix="minillm-tp-", dir=SHM_DIR)
                 os.close(fd)
                 SharedMemoryCollectives.create(self.shared_memory, size)
@@ -196,11 +137,12 @@ class TensorParallel:
         self.keepalive = threading.Thread(target=self._keep_alive, daemon=True)
         self.local: Worker | None = None
         try:
-            spec = ShardSpec(str(model_dir), dtype, device, threads, self.shared_memory)
+            spec = ShardSpec(
+                str(model_dir), dtype, device, threads, self.shared_memory, self.pipeline
+            )
             self._send(spec)
             self.comm = spec.collectives(0, size)  # its `stats`: what rank 0's collectives cost
-            device_0 = _device(spec, 0)
-            self.model = load_shard(model_dir, cfg, 0, size, dtype, device_0, self.comm)
+            self.model = spec.load(cfg, 0, size, self.comm)
         except BaseException:
             self.close()
             raise
@@ -225,14 +167,19 @@ class TensorParallel:
                 for proc in self.procs:
                     proc.kill()
                 raise RuntimeError(
-                    f"tensor-parallel ranks did not start ({dead or 'timed out'}; their "
+                    f"{self.name}-parallel ranks did not start ({dead or 'timed out'}; their "
                     "traceback is above). In a script, create the LLM under `if __name__ == "
                     "'__main__':`, as the ranks are new interpreters that import it"
                 )
             time.sleep(0.05)
-        dist.init_process_group(_backend(), store=store, rank=0, world_size=size, timeout=TIMEOUT)
+        dist.init_process_group(backend(), store=store, rank=0, world_size=size, timeout=TIMEOUT)
 
-    def attach(self, worker: Worker, settings: CacheSettings) -> TensorParallel:
+    @staticmethod
+    def check(cfg: ModelConfig, size: int) -> None:
+        """Raise ValueError naming the fix if `size` ranks cannot split this model."""
+        check_divides(cfg, size)
+
+    def attach(self, worker: Worker, settings: CacheSettings) -> Ranks:
         """Every other rank builds its worker with `settings`; rank 0's is `worker`."""
         self.local = worker
         self._send(settings)
@@ -262,16 +209,18 @@ class TensorParallel:
 
     def _send(self, message: Any) -> None:
         try:
-            _broadcast(message)
+            broadcast(message)
         except (RuntimeError, dist.DistError) as err:
-            self.failed = f"a tensor-parallel rank stopped answering ({err})"
+            self.failed = f"a {self.name}-parallel rank stopped answering ({err})"
             raise RuntimeError(f"{self.failed}: restart the engine") from err
         self.last_sent = time.monotonic()
 
     def _check(self) -> None:
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
         if dead and self.failed is None:
-            self.failed = ", ".join(f"tensor-parallel rank {r} exited (code {c})" for r, c in dead)
+            self.failed = ", ".join(
+                f"{self.name}-parallel rank {r} exited (code {c})" for r, c in dead
+            )
         if self.failed is not None:
             raise RuntimeError(f"{self.failed}: restart the engine")
 
@@ -294,7 +243,7 @@ class TensorParallel:
                 return
             if self.failed is None:
                 try:
-                    _broadcast(None)
+                    broadcast(None)
                 except RuntimeError:
                     pass  # a rank already gone: nothing to stop there
             dist.destroy_process_group()
@@ -305,3 +254,68 @@ class TensorParallel:
         if self.shared_memory is not None:
             Path(self.shared_memory).unlink(missing_ok=True)
         torch.set_num_threads(self.threads_before)
+
+
+class TensorParallel(Ranks):
+    """Every rank holds a shard of each layer and runs each step with the others."""
+
+
+class PipelineParallel(Ranks):
+    """Every rank holds a stage; up to `depth` (one a stage) steps are in flight, and their
+    logits come back in the order they were submitted."""
+
+    pipeline, name = True, "pipeline"
+
+    def __init__(self, model_dir: str | Path, size: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__(model_dir, size, dtype, device)
+        self.depth, self.sent, self.done = size, deque(), {}
+        self.tickets = itertools.count()
+        self.waited_s = 0.0  # rank 0's time waiting for the stages before its own
+
+    @staticmethod
+    def check(cfg: ModelConfig, size: int) -> None:
+        stage_layers(cfg, size)
+
+    def execute(self, step: Step) -> torch.Tensor:
+        return self.submit(step)()
+
+    def submit(self, step: Step) -> Callable[[], torch.Tensor]:
+        """Send `step` to the first stage; the returned function waits for its hidden states
+        and runs the last stage here: the logits."""
+        with self.lock, _ctrl_c_after():
+            self._check()
+            self._send(step)
+            ticket = next(self.tickets)
+            self.sent.append((ticket, step))
+        return lambda: self._collect(ticket)
+
+    def _collect(self, ticket: int) -> torch.Tensor:
+        """Finish the submitted steps in order up to `ticket` (a later one cannot arrive
+        first), keeping what the earlier ones gave for their own callers."""
+        with self.lock, _ctrl_c_after():
+            while ticket not in self.done:
+                earlier, step = self.sent.popleft()
+                self.done[earlier] = self._last_stage(step)
+        result = self.done.pop(ticket)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _last_stage(self, step: Step) -> torch.Tensor | BaseException:
+        local: Worker = self.local  # type: ignore[assignment]
+        if not step.ids:  # only block moves: nothing travels
+            return local.execute(step)
+        start = time.perf_counter()
+        try:
+            hidden = receive_hidden(local, step, self.size - 1)
+        except (RuntimeError, dist.DistError) as err:  # the ranks are out of step for good
+            self.failed = f"a pipeline rank stopped answering ({err})"
+            return RuntimeError(f"{self.failed}: restart the engine")
+        self.waited_s += time.perf_counter() - start
+        if isinstance(hidden, BaseException):
+            local.move_blocks(step)
+            return hidden
+        try:
+            return local.execute(step, hidden)
+        except Exception as err:  # this step's own failure: the runner sees whose
+            return err

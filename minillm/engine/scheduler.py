@@ -64,6 +64,18 @@ class Sampled:
 
 
 @dataclass
+class StepRecord:
+    """What one step did (engine.trace, for timelines and utilisation)."""
+
+    step: int
+    start: float
+    end: float
+    decode_ids: list[str]  # requests that generated a token from a one-token row
+    prefill_tokens: dict[str, int]  # request -> prompt tokens computed in this step
+    preempted: list[str]
+
+
+@dataclass
 class Batch:
     """A step: one-token rows (decodes) first, then prompt chunks, and the block copies the
     cache must make before the forward (swap-outs, swap-ins, copy-on-write, in that order)."""
@@ -73,6 +85,10 @@ class Batch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # A pipeline's earlier steps still in flight: their sequences, neither scheduled nor
+    # preempted here, and the most items a step takes (so that each stage gets a share).
+    in_flight: frozenset[Sequence] = frozenset()
+    max_items: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,9 +99,27 @@ class Batch:
         """Tokens of prompts (or of preempted sequences being recomputed) in this step."""
         return sum(i.num_tokens for i in self.items if i.start < i.seq.num_prompt_tokens)
 
-    def busy(self) -> set[Sequence]:
-        """Every sequence this step computes or samples for: not to be preempted now."""
+    def sequences(self) -> set[Sequence]:
+        """Every sequence this step computes or samples for."""
         return {s for item in self.items for s in (item.seq, *item.samplers)}
+
+    def busy(self) -> set[Sequence]:
+        """This step's sequences and those in flight: not to be scheduled again or
+        preempted now."""
+        return self.sequences() | self.in_flight
+
+    @property
+    def full(self) -> bool:
+        return self.max_items is not None and len(self.items) >= self.max_items
+
+    def record(self, step: int, start: float, end: float) -> StepRecord:
+        prefill: dict[str, int] = {}
+        for item in self.items:
+            if item.start < item.seq.num_prompt_tokens:
+                prefill[item.seq.request_id] = prefill.get(item.seq.request_id, 0) + item.num_tokens
+        decode = [i.seq.request_id for i in self.items if i.start >= i.seq.num_prompt_tokens]
+        preempted = [s.request_id for s in self.preempted]
+        return StepRecord(step, start, end, decode, prefill, preempted)
 
 
 class Scheduler:
@@ -115,9 +149,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> Batch | None:
-        """The next step, or None when nothing is left to run."""
-        batch = Batch([])
+    def schedule(
+        self, in_flight: frozenset[Sequence] = frozenset(), max_items: int | None = None
+    ) -> Batch | None:
+        """The next step, or None when nothing is left to run. A pipeline schedules its
+        next step while earlier ones are `in_flight`: their sequences wait for their tokens,
+        and the step takes at most `max_items` shares."""
+        batch = Batch([], in_flight=in_flight, max_items=max_items)
         if not self.chunked:  # a step admits and prefills, or decodes: never both
             if not self.static or not self.running:
                 self._admit(batch, budget=self.max_num_batched_tokens)
@@ -139,7 +177,7 @@ class Scheduler:
         within `budget` tokens, preempting the newest running sequences for blocks."""
         busy = batch.busy()
         queue = [s for s in self.running if (s.num_uncomputed > 1) == prompts and s not in busy]
-        while queue and budget > 0:
+        while queue and budget > 0 and not batch.full:
             seq = queue.pop(0)
             while not self.manager.can_append(seq):
                 busy = batch.busy()
@@ -157,7 +195,9 @@ class Scheduler:
         return budget
 
     def _swap_in(self, batch: Batch, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget > 0 and not batch.full:
+            if len(self.running) >= self.max_num_seqs:
+                break
             seq = self.swapped[0]
             if not self.manager.can_swap_in(seq):
                 break
@@ -172,7 +212,7 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int) -> None:
         slots = len(self.running) + len(self.swapped)
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not batch.full:
             seq = self.waiting[0]
             samples = seq.params.num_samples
             width = samples if samples > 1 and not seq.num_output_tokens else 1
@@ -233,6 +273,11 @@ class Scheduler:
         moved, failed, it = [], [], iter(sampled)
         for item in batch.items:
             draws = [next(it) for _ in item.samplers]
+            if item.seq.is_finished:  # aborted while its step was in a pipeline
+                for child in item.samplers:  # forked by this step: not its request's yet
+                    if not child.is_finished:
+                        self.finish(child, "abort")
+                continue
             if item.error is not None:
                 failed += [s for s in (item.seq, *item.samplers) if self.fail(s, item.error)]
                 continue

@@ -57,19 +57,35 @@ class Step:
     bucket: tuple[int, int] | None = None
 
 
-class Worker:
-    """Owns a model (or one rank's shard of it) and its K/V pool; `execute(step)` runs it."""
+class Executor:
+    """What runs steps. `execute(step)` runs one now; `submit(step)` starts one and returns
+    what to call for its logits. Only a pipeline has several steps in flight (`depth`, one
+    a stage); everything else runs the step when that is called."""
+
+    depth = 1
+
+    def execute(self, step: Step) -> torch.Tensor:
+        raise NotImplementedError
+
+    def submit(self, step: Step) -> Callable[[], torch.Tensor]:
+        return lambda: self.execute(step)
+
+
+class Worker(Executor):
+    """Owns a model (or one rank's shard or stage of it) and its K/V pool; `execute(step)`
+    runs it (`hidden`: a pipeline stage's input, the stage before's output)."""
 
     def __init__(self, model: Transformer, settings: CacheSettings) -> None:
-        if settings.decode_mode == "cuda_graph" and not model.lm_head.weight.is_cuda:
+        weight = model.model.layers[0].input_layernorm.weight  # a stage may have no head
+        if settings.decode_mode == "cuda_graph" and not weight.is_cuda:
             raise ValueError("decode_mode='cuda_graph' needs the model on a GPU: use 'static'")
         self.model, self.decode_mode = model, settings.decode_mode
-        self.device = model.lm_head.weight.device
+        self.device, self.dtype = weight.device, weight.dtype
         self.cache = PagedKVCache(
             model.config,
             settings.num_blocks,
             settings.block_size,
-            model.lm_head.weight.dtype,
+            self.dtype,
             self.device,
             settings.use_kernel,
             settings.num_swap_blocks,
@@ -78,16 +94,25 @@ class Worker:
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, table width) -> recording
 
     @torch.inference_mode()
-    def execute(self, step: Step) -> torch.Tensor:
-        """Make the step's block moves, run its forward: logits [len(rows), vocab]."""
-        self.cache.swap(step.swap_out, out=True)
-        self.cache.swap(step.swap_in, out=False)
-        self.cache.copy_blocks(step.copies)
+    def execute(self, step: Step, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Make the step's block moves, run its forward: logits [len(rows), vocab] (a
+        pipeline stage before the last: hidden states [len(ids), hidden], as `hidden`
+        comes in)."""
+        self.move_blocks(step)
+        if not step.ids:  # a step that only preempts: its block moves are all it does
+            return torch.empty(0, device=self.device)
         if step.bucket is not None:
             return self._replay(step)
         self.cache.plan(step.decode, step.prefill)
         ids, positions, rows = (self._tensor(x) for x in (step.ids, step.positions, step.rows))
-        return self.model(ids[None], positions[None], cache=self.cache, logits_at=rows)[0]
+        x = ids[None] if hidden is None else hidden[None]
+        return self.model(x, positions[None], cache=self.cache, logits_at=rows)[0]
+
+    def move_blocks(self, step: Step) -> None:
+        """Swap out, swap in, copy-on-write: the block moves that come before the forward."""
+        self.cache.swap(step.swap_out, out=True)
+        self.cache.swap(step.swap_in, out=False)
+        self.cache.copy_blocks(step.copies)
 
     def close(self) -> None:
         """Nothing to release on one device (the parallel workers' `close` stops ranks)."""

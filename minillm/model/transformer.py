@@ -296,12 +296,22 @@ class Transformer(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = positions.expand(input_ids.shape[0], -1)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
-        x, ops = self.model.embed_tokens(input_ids), self.ops
+        x = self.embed(input_ids)
         for layer in self.model.layers:
-            x = layer(x, positions, cos, sin, mask, cache, ops)
+            x = layer(x, positions, cos, sin, mask, cache, self.ops)
+        return self.head(x, logits_at)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The forward's first step: token ids [B, T] to hidden states [B, T, hidden] (a
+        pipeline stage after the first takes hidden states and passes them on)."""
+        return self.model.embed_tokens(input_ids)
+
+    def head(self, x: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
+        """The forward's last step: the final norm and the LM head, at `logits_at` only (a
+        pipeline stage before the last returns its hidden states instead)."""
         if logits_at is not None:
             x = x[:, logits_at]
-        return self.lm_head(normed(self.model.norm, x, ops))
+        return self.lm_head(normed(self.model.norm, x, self.ops))
 
     def _apply(
         self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True

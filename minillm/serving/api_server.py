@@ -75,11 +75,12 @@ def build_app(
     device: str | None = None,
     config: EngineConfig | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> FastAPI:
     """Load a checkpoint (None: the bundled model) on `device` (None: cuda if present) and
     wrap an engine with `config` in the server app, its model split over
-    `tensor_parallel_size` ranks. `chat_template`: a Jinja file (or the template itself)
-    used instead of the model's."""
+    `tensor_parallel_size` or `pipeline_parallel_size` ranks. `chat_template`: a Jinja
+    file (or the template itself) used instead of the model's."""
     import torch
 
     from minillm.engine.llm import build_engine
@@ -87,8 +88,9 @@ def build_app(
 
     tokenizer, config = load_tokenizer(model), config or EngineConfig()
     engine = build_engine(
-        model, torch.float32, device or "auto", tokenizer, config, tensor_parallel_size
-    )
+        model, torch.float32, device or "auto", tokenizer, config,
+        tensor_parallel_size, pipeline_parallel_size,
+    )  # fmt: skip
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     name = served_model_name or model or "minillm-bundled"

@@ -231,8 +231,8 @@ def run_engine(model, tok, pass_fn=None, **pool):
         )
     batches, schedule = [], engine.scheduler.schedule
 
-    def recording():
-        batch = schedule()
+    def recording(*args):
+        batch = schedule(*args)
         batches.append(batch)
         return batch
 
