@@ -276,18 +276,19 @@ def peers() -> Row:
     )
 
 
-def tensor_parallel() -> Row:
-    name = "tensor_parallel-tinyllama.json"
-    d = load(name)
+def parallel() -> Row:
+    name, pp_name = "tensor_parallel-tinyllama.json", "pipeline_parallel-tinyllama.json"
+    d, pp = load(name), load(pp_name)
     share = [c["share"] for c in d["collectives"]]
     lat = d["all_reduce_latency_us"]
-    what = f"Tensor parallel batch-1 decode, {d['model']}, one thread a rank"
+    what = f"Tensor and pipeline parallel over 2 ranks, {d['model']}, one thread a rank"
+    loads = ", ".join(f"{span(v)} at {c}" for c, v in pp["speedup"].items())
     result = (
-        f"2 ranks {span(d['speedup'])} one rank's tok/s; collectives {span(share, pct)} of a "
-        f"step (an all-reduce: {lat['shared memory']:.0f} us in shared memory, gloo "
-        f"{lat['gloo']:.0f} us)"
+        f"TP=2 {span(d['speedup'])} one rank's batch-1 tok/s, collectives {span(share, pct)} "
+        f"of a step (an all-reduce: {lat['shared memory']:.0f} us in shared memory, gloo "
+        f"{lat['gloo']:.0f} us); PP=2 output tok/s {loads} concurrent requests"
     )
-    return Row(what, result, (name,))
+    return Row(what, result, (name, pp_name))
 
 
 def decode_roofline() -> Row:
@@ -356,7 +357,7 @@ ROWS = (
     kv_cache,
     decode_roofline,
     peers,
-    tensor_parallel,
+    parallel,
     ort_iobinding,
     quant_methods,
     quant_decode,

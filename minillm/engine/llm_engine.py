@@ -191,17 +191,13 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, postprocess, emit: the outputs of the requests that moved.
-
-        A pipeline first fills its stages: while fewer steps are in flight than it has
-        stages, the next step is scheduled from the sequences that are not in one (an even
-        share of them), and started. Then the oldest step's tokens are waited for, as one
-        device's step is."""
+        """Schedule, run, postprocess, emit: the outputs of the requests that moved. A
+        pipeline first starts a step a stage, each from the sequences not in one."""
         t0 = time.perf_counter()
         depth, sched = self.runner.worker.depth, self.scheduler
         while len(self.in_flight) < depth:
             in_flight = frozenset(s for batch, _ in self.in_flight for s in batch.sequences())
-            # each stage's step takes an even share of the sequences (one device: all)
+            # an even share of the sequences a stage (one device: all of them)
             share = len(sched.running) + len(sched.waiting) + len(sched.swapped)
             batch = sched.schedule(in_flight, -(-share // depth) if depth > 1 else None)
             if batch is None:

@@ -152,9 +152,8 @@ class Scheduler:
     def schedule(
         self, in_flight: frozenset[Sequence] = frozenset(), max_items: int | None = None
     ) -> Batch | None:
-        """The next step, or None when nothing is left to run. A pipeline schedules its
-        next step while earlier ones are `in_flight`: their sequences wait for their tokens,
-        and the step takes at most `max_items` shares."""
+        """The next step, or None when nothing is left to run. A pipeline's steps
+        `in_flight` keep their sequences; `max_items`: its share."""
         batch = Batch([], in_flight=in_flight, max_items=max_items)
         if not self.chunked:  # a step admits and prefills, or decodes: never both
             if not self.static or not self.running:
