@@ -5,17 +5,22 @@ The stages chained in one process give the whole model's logits within 1e-4 and 
 their own weights; on ranks, greedy tokens are identical to one device's, batched,
 preempted, swapped, in chunks and on TinyLlama's shape; two steps are in flight at once, a
 request aborted while its step is in one leaves the others' tokens alone, a failing step
-fails only its own request, and a dead rank ends in an error.
+fails only its own request, and a dead or hung rank ends in an error.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 
 from minillm import LLM, SamplingParams
+from minillm.engine import parallel
+from minillm.engine import rank as rank_module
 from minillm.engine.worker import CacheSettings, Step, Worker
 from minillm.model.config import ModelConfig
 from minillm.model.pipeline import load_stage, stage_layers
@@ -168,6 +173,24 @@ def test_a_rank_that_dies_fails_the_next_request_with_an_error():
         assert "pipeline-parallel rank 1 exited" in out.error
         assert time.monotonic() - start < 5
     finally:
+        llm.close()
+
+
+def test_a_rank_that_hangs_times_out_into_an_error(monkeypatch):
+    for module in (parallel, rank_module):  # rank 0's group, and the ranks' own
+        monkeypatch.setattr(module, "TIMEOUT", timedelta(seconds=3))
+    llm = LLM(device="cpu", pipeline_parallel_size=2)
+    ranks = llm.engine.runner.worker
+    try:
+        os.kill(ranks.procs[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert all("stopped answering" in o.error for o in out)
+        assert time.monotonic() - start < 20
+        again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]  # fails at once now
+        assert "restart the engine" in again.error
+    finally:
+        ranks.procs[0].kill()
         llm.close()
 
 

@@ -303,6 +303,8 @@ class PipelineParallel(Ranks):
 
     def _last_stage(self, step: Step) -> torch.Tensor | BaseException:
         local: Worker = self.local  # type: ignore[assignment]
+        if self.failed is not None:  # an earlier step lost the ranks: nothing will arrive
+            return RuntimeError(f"{self.failed}: restart the engine")
         if not step.ids:  # only block moves: nothing travels
             return local.execute(step)
         start = time.perf_counter()
