@@ -23,13 +23,7 @@ from minillm.lab.claims import span
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = report.parser(__doc__, quick="4 layers, 2 rounds (a minute or two)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds, both sizes in each (5)")
-    args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: give 1 or more")
-    if args.threads != 1:
-        ap.error("--threads: the ranks run one thread each; this benchmark takes 1")
+    args = report.ranks_args(__doc__, "4 layers, 2 rounds (a minute or two)", argv)
     run = report.start("pipeline_parallel", args)
     with tempfile.TemporaryDirectory() as tmp:
         result = pp.run(

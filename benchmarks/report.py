@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,19 @@ def parser(doc: str | None, quick: str | None = None) -> argparse.ArgumentParser
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     return ap
+
+
+def ranks_args(doc: str | None, quick: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments of a benchmark whose ranks run one thread each (the parallel ones):
+    `parser`'s, `--rounds` (both sizes in each round), `--threads` only 1."""
+    ap = parser(doc, quick=quick)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, both sizes in each (5)")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.threads != 1:
+        ap.error("--threads: the ranks run one thread each; this benchmark takes 1")
+    return args
 
 
 @dataclass

@@ -1,28 +1,19 @@
 """Tensor parallelism: N ranks (gloo processes on this CPU) compute what one device does.
 
-Logits within 1e-4 of the unsplit model and greedy tokens identical, batched, preempted and
-in chunks, on the bundled model and on a shape that divides as real models do (TinyLlama's
-32 query heads over 4 KV heads, fewer layers); a rank that dies or hangs ends in an error,
-not a hang; `serve` launched rank by rank through env:// answers the openai client with
-TP=1's text and stops every rank on SIGTERM.
+Logits within 1e-4 of the unsplit model, on the bundled model and on a shape that divides as
+real models do (TinyLlama's 32 query heads over 4 KV heads, fewer layers); greedy tokens on
+that shape, samples, logprobs and prefix hits as one rank's; each rank's share of weights
+and cache; the shared-memory collectives. What both splits must do (tokens when batched,
+preempted or chunked, dead and hung ranks, serve over env://) is test_parallel_engines.py.
 """
 
 from __future__ import annotations
-
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
 
 from minillm import LLM, SamplingParams
 from minillm.bench.http_load import free_port
-from minillm.engine import parallel
-from minillm.engine import rank as rank_module
 from minillm.engine.parallel import TensorParallel
 from minillm.engine.worker import CacheSettings, Step, Worker
 from minillm.model.parallel import check_divides, shard_config
@@ -90,25 +81,6 @@ def test_a_vocabulary_that_does_not_divide_is_padded(tmp_path):
     torch.testing.assert_close(split, whole, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {},  # batched, chunked prefill
-        {"num_blocks": 6, "block_size": 8},  # preemption by recompute
-        {"num_blocks": 6, "block_size": 8, "preemption_mode": "swap"},
-        {"max_num_batched_tokens": 5, "max_num_seqs": 2},  # small chunks, a queue
-    ],
-)
-def test_greedy_tokens_identical_to_one_rank(settings):
-    one = LLM(device="cpu", **settings)
-    expected = tokens(one)
-    two = LLM(device="cpu", tensor_parallel_size=2, **settings)
-    try:
-        assert tokens(two) == expected
-    finally:
-        two.close()
-
-
 def test_greedy_tokens_identical_on_tinyllama_heads(tinyllama_dir):
     expected = tokens(LLM(str(tinyllama_dir), device="cpu"))
     two = LLM(str(tinyllama_dir), device="cpu", tensor_parallel_size=2)
@@ -125,95 +97,6 @@ def test_sizes_that_do_not_divide_are_refused_with_the_sizes_that_do():
     with pytest.raises(ValueError, match=">= 1"):
         check_divides(cfg, 0)
     assert shard_config(cfg, 4).num_key_value_heads == 1  # replicated, not zero
-
-
-def test_a_rank_that_dies_fails_the_next_request_with_an_error():
-    llm = LLM(device="cpu", tensor_parallel_size=2)
-    try:
-        ranks = llm.engine.runner.worker
-        ranks.procs[0].kill()
-        ranks.procs[0].join(5)
-        start = time.monotonic()
-        out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
-        assert "rank 1 exited" in out.error and out.outputs[0].finish_reason == "abort"
-        assert time.monotonic() - start < 5
-    finally:
-        llm.close()
-
-
-def test_a_rank_that_hangs_times_out_into_an_error(monkeypatch):
-    for module in (parallel, rank_module):  # rank 0's group and its shared-memory collectives
-        monkeypatch.setattr(module, "TIMEOUT", rank_module.timedelta(seconds=3))
-    llm = LLM(device="cpu", tensor_parallel_size=2)
-    ranks = llm.engine.runner.worker
-    try:
-        os.kill(ranks.procs[0].pid, signal.SIGSTOP)
-        start = time.monotonic()
-        out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
-        assert out.error is not None and "stopped answering" in out.error
-        assert time.monotonic() - start < 20
-        again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]  # fails at once now
-        assert "restart the engine" in again.error
-    finally:
-        ranks.procs[0].kill()
-        llm.close()
-
-
-def _serve(rank: int, port: int, master: int, extra: list[str]) -> subprocess.Popen:
-    env = os.environ | {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master),
-        "WORLD_SIZE": "2",
-        "RANK": str(rank),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [sys.executable, "-m", "minillm", "serve", "--port", str(port), *extra]
-    return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-
-
-def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server exited ({server.returncode}): {server.stderr.read()}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"no /health answer on port {port} in {timeout} s")
-
-
-@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
-def test_serve_launched_rank_by_rank_answers_openai_with_one_ranks_text(kind):
-    """Two separate launches meeting through env:// (as on two machines), then SIGTERM to
-    rank 0 stops both; Ctrl-C on rank 1 alone is ignored (rank 0 owns shutdown). Rank 1
-    learns from rank 0 whether it holds a shard or a stage."""
-    openai = pytest.importorskip("openai")
-    port, master = free_port(), free_port()
-    one = LLM(device="cpu")
-    prompt, n = "And the LORD said unto Moses", 16
-    expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=n))[0]
-    args = [f"--{kind}-parallel-size", "2", "--device", "cpu"]
-    worker = _serve(1, port, master, args)
-    server = _serve(0, port, master, args)
-    try:
-        wait_until_healthy(port, server, timeout=90)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        reply = client.completions.create(
-            model="minillm-bundled", prompt=prompt, max_tokens=n, temperature=0
-        )
-        assert reply.choices[0].text == expected.outputs[0].text
-        worker.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        assert worker.poll() is None  # still serving its shard
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(30) == -signal.SIGTERM  # uvicorn re-raises it after its shutdown
-        assert worker.wait(30) == 0  # stopped by rank 0's close, not killed
-    finally:
-        for proc in (server, worker):
-            proc.kill()
-            proc.wait()
 
 
 def _collectives(rank: int, size: int, port: int, path: str, out) -> None:
