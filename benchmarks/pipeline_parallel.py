@@ -5,7 +5,7 @@
 A TinyLlama-1.1B-shaped model (random weights, 4.4 GB in fp32) served by the engine on one
 rank and in two stages (`LLM(pipeline_parallel_size=2)`'s ranks, one thread each), timed in
 turn in every round: output tok/s of 16 and of 64 concurrent requests, the seconds between
-a lone request's tokens, rank 0's wait for stage 1, one core's matmul rate by rows and the
+a lone request's tokens, rank 0's wait for rank 1, one core's matmul rate by rows and the
 read bandwidth of one core and of two (`minillm.bench.pipeline_parallel`). The last line
 is one `SUMMARY pipeline_parallel:` line.
 """

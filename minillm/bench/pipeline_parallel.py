@@ -5,8 +5,8 @@ turn in every round:
 
 - throughput: 16 and 64 concurrent requests run to completion, output tokens per second;
 - latency: one request alone, milliseconds between its tokens;
-- rank 0's wait for stage 1, one core's matmul rate by rows, the read bandwidth of one
-  core and of two.
+- rank 0's wait for rank 1 (to take a step, or to hand one back), one core's matmul rate
+  by rows, the read bandwidth of one core and of two.
 
 When it pays: a lone request's step runs the stages one after the other, so it takes as
 long as on one rank, plus the hop. With many requests the engine keeps two steps in flight,
@@ -163,7 +163,7 @@ def print_result(r: dict[str, Any]) -> None:
     print(
         f"  one request alone: PP=1 {span(ms['PP=1'], one)} ms a token, PP=2 "
         f"{span(ms['PP=2'], one)} ({span(r['batch1_latency_ratio'])}); rank 0 waited for "
-        f"stage 1 {span(r['rank0_waiting_share'], pct)} of the PP=2 runs"
+        f"rank 1 {span(r['rank0_waiting_share'], pct)} of the PP=2 runs"
     )
     print(
         "  one core's matmul with an MLP weight, GFLOP/s by rows: "

@@ -270,7 +270,7 @@ class PipelineParallel(Ranks):
         super().__init__(model_dir, size, dtype, device)
         self.depth, self.sent, self.done = size, deque(), {}
         self.tickets = itertools.count()
-        self.waited_s = 0.0  # rank 0's time waiting for the stages before its own
+        self.waited_s = 0.0  # rank 0's time waiting for the other ranks: sends and receives
 
     @staticmethod
     def check(cfg: ModelConfig, size: int) -> None:
@@ -284,7 +284,9 @@ class PipelineParallel(Ranks):
         and runs the last stage here: the logits."""
         with self.lock, _ctrl_c_after():
             self._check()
-            self._send(step)
+            start = time.perf_counter()
+            self._send(step)  # waits while rank 1 finishes the step before
+            self.waited_s += time.perf_counter() - start
             ticket = next(self.tickets)
             self.sent.append((ticket, step))
         return lambda: self._collect(ticket)
