@@ -16,6 +16,7 @@ records, checkable on a CPU).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,15 +58,16 @@ class Step:
     bucket: tuple[int, int] | None = None
 
 
-class Executor:
+class Executor(ABC):
     """What runs steps. `execute(step)` runs one now; `submit(step)` starts one and returns
     what to call for its logits. Only a pipeline has several steps in flight (`depth`, one
     a stage); everything else runs the step when that is called."""
 
     depth = 1
 
+    @abstractmethod
     def execute(self, step: Step) -> torch.Tensor:
-        raise NotImplementedError
+        """The step's logits [len(rows), vocab]."""
 
     def submit(self, step: Step) -> Callable[[], torch.Tensor]:
         return lambda: self.execute(step)
