@@ -239,20 +239,21 @@ def llama_server() -> Row:
     name = "llama-server-smollm2.json"
     d = load(name)
     meta = d["meta"]
-    (level,) = meta["concurrency"]
-    runs = d[str(level)]
-    ours, theirs = runs["minillm"], runs["llama-server"]
-    ratio = median_of(ours, "output_tok_s") / median_of(theirs, "output_tok_s")
-    rounds = span(round_ratios(ours, theirs))
-    tpot = [1000 * median_of(side, "tpot", "p50") for side in (ours, theirs)]
-    same = runs["same_greedy"]
-    result = (
-        f"output tok/s {x(ratio)} llama-server's (rounds {rounds}); TPOT p50 {tpot[0]:.0f} vs "
-        f"{tpot[1]:.0f} ms; same greedy text {sum(same)}/{len(same)}"
-    )
+    parts, same = [], []
+    for level in meta["concurrency"]:
+        runs = d[str(level)]
+        ours, theirs = runs["minillm"], runs["llama-server"]
+        ratio = median_of(ours, "output_tok_s") / median_of(theirs, "output_tok_s")
+        tpot = [1000 * median_of(side, "tpot", "p50") for side in (ours, theirs)]
+        parts.append(
+            f"C={level}: output tok/s {x(ratio)} llama-server's (rounds "
+            f"{span(round_ratios(ours, theirs))}), TPOT p50 {tpot[0]:.0f} vs {tpot[1]:.0f} ms"
+        )
+        same += runs["same_greedy"]
+    result = "; ".join(parts) + f"; same greedy text {sum(same)}/{len(same)}"
     what = (
-        f"`minillm serve` vs llama.cpp's `llama-server --parallel {level}`, "
-        f"{model_name(meta['model'])}, {meta['requests']} requests, {level} in flight, "
+        f"`minillm serve` vs llama.cpp's `llama-server --parallel C`, "
+        f"{model_name(meta['model'])}, {meta['requests']} requests, C in flight, "
         f"{meta['threads']} thread each, {meta['kv_cache']} KV cache"
     )
     return Row(what, result, (name,))

@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
 def _load(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     from minillm import load_model, load_tokenizer
-    from minillm.model.layout import decode_layout
+    from minillm.model.layout import decode_layout, matvec_applies, use_matvec
 
     model = load_model(args.model, device=args.device or "auto")  # auto: CUDA if present
-    if model.lm_head.weight.device.type == "cpu":  # faster CPU decode (chapter 02 measures it)
+    if matvec_applies(model):  # faster CPU decode (chapters 02 and 05)
+        use_matvec(model)
+    elif model.lm_head.weight.device.type == "cpu":
         decode_layout(model)
     return model, load_tokenizer(args.model)
 

@@ -10,6 +10,7 @@ import torch
 from packaging.requirements import Requirement
 
 from minillm.course import CHAPTERS, GPU_BUILDS, REPO, installed_version, requirement_lines
+from minillm.kernels.matvec import matvec_status
 
 
 def requirements(name: str) -> list[Requirement]:
@@ -75,6 +76,12 @@ def device_lines() -> tuple[str, list[str]]:
     """('cuda' | 'mps' | 'cpu', description lines)."""
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
     lines.append(f"cpu: {platform.machine()}, {torch.get_num_threads()} torch threads")
+    ok, why = matvec_status()  # compiles the kernel once, under a second
+    lines.append(
+        "C matvec kernel: ready (CPU decode steps use it)"
+        if ok
+        else f"C matvec kernel: unavailable, CPU decode steps use BLAS ({why})"
+    )
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.bench.http_load import wait_until_up
+from minillm.paths import cache_root
 
 VERSION = "0.3.36"  # llama-cpp-python, as pyproject.toml's `llama` extra pins it
 BUILD_COMMAND = "python -m benchmarks.llama_server"
@@ -21,8 +22,7 @@ BUILD_COMMAND = "python -m benchmarks.llama_server"
 
 def cache_dir() -> Path:
     """Where the sdist, sources and build live (`$MINILLM_CACHE`, default ~/.cache/minillm)."""
-    root = Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
-    return root / f"llama-server-{VERSION}"
+    return cache_root() / f"llama-server-{VERSION}"
 
 
 def binary_path() -> Path:

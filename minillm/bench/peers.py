@@ -1,5 +1,5 @@
 """Chapter 06's CPU peers in one run (`python -m benchmarks.peers`): minillm's batch-1 decode
-in fp32 (chapter 02's decode layout), int8 and int4 on torch's CPU kernels, against llama.cpp's
+in fp32 (its C matvec kernel), int8 and int4 on torch's CPU kernels, against llama.cpp's
 `llama-server` decoding f32, Q8_0 and Q4_1 GGUFs of the same weights, every format timed in
 each round, with the bytes a token reads and the perplexity each format's weights give.
 
@@ -29,7 +29,7 @@ from minillm.export.gguf import export_gguf
 from minillm.lab import time_samples
 from minillm.lab.ranks import free_port
 from minillm.model import Transformer, load_model, load_tokenizer
-from minillm.model.layout import decode_layout
+from minillm.model.layout import decode_layout, matvec_applies, use_matvec
 from minillm.model.weights import resolve_model_dir
 from minillm.quant import quantize_model
 from minillm.quant.linear import use_cpu_kernels
@@ -37,7 +37,8 @@ from minillm.training import factbook_ids, perplexity
 
 
 def minillm_formats(base: Transformer) -> dict[str, nn.Module]:
-    """fp32 with the decode layout; int8 everywhere; int4 (the largest kernel group size that
+    """fp32 through the C matvec kernel (chapter 02's decode layout where no compiler builds
+    it); int8 everywhere; int4 (the largest kernel group size that
     divides every input) with an int8 lm_head. Both int formats on torch's CPU kernels."""
     g = group_size_for(base)
     int8 = quantize_model(copy.deepcopy(base), "int8", keep=())
@@ -46,7 +47,9 @@ def minillm_formats(base: Transformer) -> dict[str, nn.Module]:
         skipped = use_cpu_kernels(model)
         if skipped:
             raise RuntimeError(f"{name}: no CPU kernel for {sorted(skipped)}: {skipped}")
-    return {"fp32": decode_layout(copy.deepcopy(base)), "int8": int8, f"int4-g{g}": int4}
+    fp32 = copy.deepcopy(base)
+    fp32 = use_matvec(fp32) if matvec_applies(fp32) else decode_layout(fp32)
+    return {"fp32": fp32, "int8": int8, f"int4-g{g}": int4}
 
 
 def llama_formats(model_dir: Path, q4_1: Path, work: Path) -> dict[str, Path]:
@@ -139,6 +142,7 @@ def run(
         "context": context,
         "rounds": rounds,
         "windows": windows,
+        "fp32_path": "C matvec kernel" if matvec_applies(base) else "decode layout",
         "formats": {
             k: {
                 "tokens_per_s": v,
@@ -174,6 +178,7 @@ def print_result(result: dict[str, Any]) -> None:
         f"\nbatch-1 decode at {result['context']} tokens, {result['rounds']} rounds, 1 thread; "
         f"perplexity on {result['windows']} Factbook windows of 256 tokens"
     )
+    print(f"minillm fp32 runs its linear layers through the {result['fp32_path']}")
     print(f"{'format':<22}{'tok/s (rounds)':>18}{'MB a token':>12}{'perplexity':>12}{'vs fp32':>9}")
     for name, r in result["formats"].items():
         tps = r["tokens_per_s"]

@@ -16,28 +16,31 @@ import torch
 from minillm.bench.kv_costs import kv_bytes_per_token, random_ids, step_fns
 from minillm.cache import KVCache
 from minillm.generation.static import compile_decode_step
+from minillm.kernels.matvec import matvec_status
 from minillm.lab import format_bytes, measure_roofline, paired_ratios, profile_split, time_samples
 from minillm.model import ModelConfig, Transformer, random_model
-from minillm.model.layout import decode_layout
+from minillm.model.layout import decode_layout, use_matvec
 from minillm.model.shapes import SMOLLM2_135M
 
 COMPILED = "compiled (frozen weights, max-autotune)"
+MATVEC = "C matvec kernel"
 
 
 def matvec_fn(model: Transformer) -> Callable[[], Any]:
-    """The decode step's matrix-vector products alone: one row through every linear weight
-    (the LM head included), back to back, no model code around them."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    first = weights[0]
+    """The decode step's matrix-vector products alone: one row through every linear layer
+    (the LM head included), back to back, no model code around them. Through the layers
+    themselves, so a `MatVecLinear` runs its kernel."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    first = linears[0].weight
     rows = {
-        w.shape[1]: torch.randn(1, w.shape[1], dtype=first.dtype, device=first.device)
-        for w in weights
+        m.in_features: torch.randn(1, m.in_features, dtype=first.dtype, device=first.device)
+        for m in linears
     }
 
     @torch.inference_mode()
     def run() -> None:
-        for w in weights:
-            torch.nn.functional.linear(rows[w.shape[1]], w)
+        for m in linears:
+            m(rows[m.in_features])
 
     return run
 
@@ -82,10 +85,11 @@ def decode_roofline(
     `copy_bytes` buffer (default: larger than any CPU cache: main memory), the best of a
     ceiling measurement and of reads timed in turn with the steps. `model`: a
     model, or a config for a random-weight one. `layout` (default: on a CPU) also times a
-    copy with `decode_layout`'s weights; `compiled` also the step compiled with frozen
-    weights and max-autotune (`compiled_step_fn`: minutes of compile on SmolLM2). Where
-    the time goes: the matrix-vector products alone (`matvec_fn`) against the eager
-    steps, and `profile_split` of the fastest eager step."""
+    copy with `decode_layout`'s weights, and one whose linear layers run the C matvec
+    kernel (`use_matvec`, where a C compiler builds it); `compiled` also the step compiled
+    with frozen weights and max-autotune (`compiled_step_fn`: minutes of compile on
+    SmolLM2). Where the time goes: the matrix-vector products alone (`matvec_fn`) against
+    the eager steps, and `profile_split` of the fastest eager step on ATen's kernels."""
     if not isinstance(model, Transformer):
         model = random_model(model)
     weight = model.lm_head.weight
@@ -93,6 +97,8 @@ def decode_roofline(
     models = {"as loaded": model}
     if layout:
         models["decode layout"] = decode_layout(copy.deepcopy(model))
+        if matvec_status()[0]:  # the C kernel, where a compiler builds it
+            models[MATVEC] = use_matvec(copy.deepcopy(model))
     fns = {}
     for label, m in models.items():
         fns[label] = step_fns(m, context)["cached"]
@@ -151,7 +157,9 @@ def decode_roofline(
     top = out["variants"][out["best"]]
     out.update({k: top[k] for k in ("tokens_per_s", "fraction_of_bound", "achieved_Bps")})
     if split:
-        eager = max(models, key=lambda k: out["variants"][k]["tokens_per_s"])
+        # the profiler sees ATen ops only: the C kernel's calls would count as Python
+        aten = [k for k in models if k != MATVEC]
+        eager = max(aten, key=lambda k: out["variants"][k]["tokens_per_s"])
         out["split_of"] = eager
         s = profile_split(fns[eager], repeats=3, warmup=1)
         out["split"] = s.fractions()

@@ -22,6 +22,7 @@ from minillm.engine.llm_engine import Engine, final_only
 from minillm.engine.outputs import RequestOutput
 from minillm.engine.parallel import PipelineParallel, TensorParallel
 from minillm.generation.sampling import SamplingParams
+from minillm.model.layout import matvec_applies, use_matvec
 from minillm.model.tokenizer import Tokenizer
 from minillm.model.weights import (
     load_model,
@@ -160,7 +161,10 @@ def build_engine(
             "of them to 1"
         )
     if tensor_parallel_size == pipeline_parallel_size == 1:
-        return Engine(load_model(model, dtype=dtype, device=device), tokenizer, config)
+        loaded = load_model(model, dtype=dtype, device=device)
+        if matvec_applies(loaded):  # fp32 on a CPU: decode steps through the C kernel
+            use_matvec(loaded)
+        return Engine(loaded, tokenizer, config)
     on = resolve_device(device)
     model_dir = resolve_model_dir(model)
     kind = TensorParallel if tensor_parallel_size > 1 else PipelineParallel

@@ -16,7 +16,6 @@ chat template) and generation_config.json. The directory lives in the user cache
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,16 +29,12 @@ from minillm.model.config import ModelConfig
 from minillm.model.gguf_layout import hf_name, rope_from_interleaved
 from minillm.model.gguf_quants import dequantize
 from minillm.model.gguf_tokenizer import build_tokenizer, tokenizer_config
+from minillm.paths import cache_root
 
 # Bump when the written directory changes, so that older caches are rebuilt.
 CONVERTER_VERSION = 1
 _FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 _FILES += ("tokenizer_config.json", "source.json")  # source.json last: it marks completion
-
-
-def cache_root() -> Path:
-    """Where minillm keeps files it derives: `$MINILLM_CACHE`, else ~/.cache/minillm."""
-    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -20,13 +20,21 @@ and a longer stream for the prefetcher (k and v are 192 outputs each on SmolLM2,
 reads slowest of all). Nothing is copied at decode time; the re-layout costs one copy of
 the weights once. A prefill (many rows at once, a matrix product) runs at the same speed
 either way. llama.cpp makes the same kind of choice with its own kernels and block layouts.
+
+Faster still, and in the layout as loaded: `use_matvec(model)` runs each linear layer's
+inputs of a few rows through minillm's own C kernel (`minillm.kernels.matvec`), which
+streams each weight row once at close to the memory's speed (chapter 05 measures it
+against this layout, a compiled step and llama.cpp). The engine, `serve` and the command
+line use it by default for fp32 on a CPU (`matvec_applies`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from minillm.kernels import matvec
 from minillm.model.transformer import MLP, Attention, SideBySide
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -79,4 +87,48 @@ def decode_layout(model: nn.Module) -> nn.Module:
             # .data: the Parameter object stays the same, so a tied embedding (the same
             # Parameter as the LM head) follows, and optimisers or hooks keep their handle.
             module.weight.data = module.weight.data.t().contiguous().t()
+    return model
+
+
+class MatVecLinear(nn.Linear):
+    """An `nn.Linear` whose inputs of at most `matvec.MAX_ROWS` rows run through the C
+    kernel; any other input, a compile or a backward pass takes `F.linear`. Same
+    parameters, same state dict: `use_matvec` swaps it in for each `nn.Linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = None if torch.compiler.is_compiling() else matvec.try_matvec(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+def matvec_applies(model: nn.Module) -> bool:
+    """Whether `use_matvec` runs here and speeds `model` up: fp32 weights on a CPU, and the
+    kernel built."""
+    weight = next(model.parameters())
+    return weight.dtype == torch.float32 and weight.is_cpu and matvec.matvec_status()[0]
+
+
+@torch.no_grad()
+def use_matvec(model: nn.Module) -> nn.Module:
+    """Run every `nn.Linear` of `model` through the C kernel for its inputs of a few rows,
+    in place: each becomes a `MatVecLinear` holding the same `Parameter`s, so tied weights
+    stay tied. Returns the model. Raises RuntimeError naming the fix where the kernel
+    cannot be built. A model in `decode_layout` goes back to rows (the kernel streams each
+    weight row, where BLAS wanted the transpose) and drops its side-by-side buffers."""
+    ok, why = matvec.matvec_status()
+    if not ok:
+        raise RuntimeError(f"the C matvec kernel cannot run here: {why}")
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.qkv = None
+        if isinstance(module, MLP):
+            module.gate_up = None
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                bias = child.bias is not None
+                swapped = MatVecLinear(child.in_features, child.out_features, bias, "meta")
+                swapped.weight, swapped.bias = child.weight, child.bias  # the same Parameters
+                setattr(module, name, swapped)
+    for module in model.modules():
+        if isinstance(module, MatVecLinear) and not module.weight.is_contiguous():
+            module.weight.data = module.weight.data.contiguous()  # a tied embedding follows
     return model
