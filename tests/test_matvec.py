@@ -101,3 +101,16 @@ def test_the_engine_decodes_batches_through_the_kernel(model, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in workload], params, use_tqdm=False)
     alone = [generate(model, [p], params)[0] for p in workload]
     assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_an_unwritable_cache_is_named(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache folder would go
+    monkeypatch.setenv("MINILLM_CACHE", str(blocked))
+    mv._library.cache_clear()
+    try:
+        ok, why = mv.matvec_status()
+        assert not ok and "set MINILLM_CACHE to a folder this user can write" in why
+    finally:
+        monkeypatch.undo()
+        mv._library.cache_clear()

@@ -62,16 +62,19 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode())
     key.update(_machine_key().encode())
     target = cache_root() / "kernels" / f"matvec-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then one atomic rename
-            built = Path(tmp) / target.name
-            cmd = [compiler, *_flags(), str(SOURCE), "-o", str(built)]
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode != 0:
-                return None, f"{' '.join(cmd)} failed: {run.stderr.strip()[-500:]}"
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # one atomic rename
+                built = Path(tmp) / target.name
+                cmd = [compiler, *_flags(), str(SOURCE), "-o", str(built)]
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode != 0:
+                    return None, f"{' '.join(cmd)} failed: {run.stderr.strip()[-500:]}"
+                os.replace(built, target)
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:  # a cache folder it cannot write, a library it cannot load
+        return None, f"{err} (set MINILLM_CACHE to a folder this user can write)"
     lib.matvec_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     lib.matvec_f32.restype = None
     return lib, ""
