@@ -29,7 +29,7 @@ from minillm.export.gguf import export_gguf
 from minillm.lab import time_samples
 from minillm.lab.ranks import free_port
 from minillm.model import Transformer, load_model, load_tokenizer
-from minillm.model.layout import decode_layout, matvec_applies, use_matvec
+from minillm.model.layout import MatVecLinear, decode_layout, matvec_applies, use_matvec
 from minillm.model.weights import resolve_model_dir
 from minillm.quant import quantize_model
 from minillm.quant.linear import use_cpu_kernels
@@ -98,6 +98,7 @@ def run(
     base = load_model(name)
     cfg = base.config
     ours = minillm_formats(base)
+    uses_matvec = isinstance(ours["fp32"].lm_head, MatVecLinear)
     ggufs = llama_formats(resolve_model_dir(name), MODELS[name].gguf_path(), work)
     steps = {fmt: decode_step(m, cfg, context) for fmt, m in ours.items()}
     prompt = torch.randint(
@@ -142,7 +143,7 @@ def run(
         "context": context,
         "rounds": rounds,
         "windows": windows,
-        "fp32_path": "C matvec kernel" if matvec_applies(base) else "decode layout",
+        "fp32_path": "C matvec kernel" if uses_matvec else "decode layout",
         "formats": {
             k: {
                 "tokens_per_s": v,

@@ -16,10 +16,9 @@ import torch
 from minillm.bench.kv_costs import kv_bytes_per_token, random_ids, step_fns
 from minillm.cache import KVCache
 from minillm.generation.static import compile_decode_step
-from minillm.kernels.matvec import matvec_status
 from minillm.lab import format_bytes, measure_roofline, paired_ratios, profile_split, time_samples
 from minillm.model import ModelConfig, Transformer, random_model
-from minillm.model.layout import decode_layout, use_matvec
+from minillm.model.layout import decode_layout, matvec_applies, use_matvec
 from minillm.model.shapes import SMOLLM2_135M
 
 COMPILED = "compiled (frozen weights, max-autotune)"
@@ -97,7 +96,7 @@ def decode_roofline(
     models = {"as loaded": model}
     if layout:
         models["decode layout"] = decode_layout(copy.deepcopy(model))
-        if matvec_status()[0]:  # the C kernel, where a compiler builds it
+        if matvec_applies(model):  # the C kernel: fp32, and a compiler that builds it
             models[MATVEC] = use_matvec(copy.deepcopy(model))
     fns = {}
     for label, m in models.items():

@@ -127,8 +127,7 @@ def use_matvec(model: nn.Module) -> nn.Module:
                 bias = child.bias is not None
                 swapped = MatVecLinear(child.in_features, child.out_features, bias, "meta")
                 swapped.weight, swapped.bias = child.weight, child.bias  # the same Parameters
+                if not swapped.weight.is_contiguous():  # a tied embedding follows
+                    swapped.weight.data = swapped.weight.data.contiguous()
                 setattr(module, name, swapped)
-    for module in model.modules():
-        if isinstance(module, MatVecLinear) and not module.weight.is_contiguous():
-            module.weight.data = module.weight.data.contiguous()  # a tied embedding follows
     return model
