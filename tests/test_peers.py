@@ -19,12 +19,13 @@ def model():
 
 def test_the_minillm_formats_are_the_model_in_each_format(model):
     formats = peers.minillm_formats(model)
-    assert list(formats) == ["fp32", "int8", "int4-g128"]
+    int4 = "int4 q4_1-g32" if peers.int_backend() == "c" else "int4 int4-g128"
+    assert list(formats) == ["fp32", "int8", int4]
     ids = torch.tensor([[1, 5, 9, 200, 31]])
     with torch.inference_mode():
         want = model(ids)
         assert torch.allclose(formats["fp32"](ids), want, atol=1e-5)  # the decode layout
-        for name in ("int8", "int4-g128"):
+        for name in ("int8", int4):
             m = formats[name]
             quantized = [n for n, mod in m.named_modules() if isinstance(mod, QuantLinear)]
             assert "lm_head" in quantized and all(
@@ -47,7 +48,7 @@ def test_pair_ratios_pair_the_rounds():
         "formats": {
             "minillm fp32": {"tokens_per_s": [10.0, 12.0]},
             "minillm int8": {"tokens_per_s": [20.0, 18.0]},
-            "minillm int4-g64": {"tokens_per_s": [30.0, 33.0]},
+            "minillm int4 q4_1-g32": {"tokens_per_s": [30.0, 33.0]},
             "llama.cpp f32": {"tokens_per_s": [20.0, 24.0]},
             "llama.cpp Q8_0": {"tokens_per_s": [20.0, 20.0]},
             "llama.cpp Q4_1": {"tokens_per_s": [60.0, 33.0]},
@@ -56,5 +57,5 @@ def test_pair_ratios_pair_the_rounds():
     assert peers.pair_ratios(result) == {
         "fp32 / f32": [0.5, 0.5],
         "int8 / Q8_0": [1.0, 0.9],
-        "int4-g64 / Q4_1": [0.5, 1.0],
+        "int4 q4_1-g32 / Q4_1": [0.5, 1.0],
     }

@@ -1,14 +1,17 @@
 """Chapter 06's CPU peers in one run (`python -m benchmarks.peers`): minillm's batch-1 decode
-in fp32 (its C matvec kernel), int8 and int4 on torch's CPU kernels, against llama.cpp's
-`llama-server` decoding f32, Q8_0 and Q4_1 GGUFs of the same weights, every format timed in
-each round, with the bytes a token reads and the perplexity each format's weights give.
+in fp32 (its C matvec kernel), int8 and int4 (its quantized C kernels, `qmatvec.c`), against
+llama.cpp's `llama-server` decoding f32, Q8_0 and Q4_1 GGUFs of the same weights, every
+format timed in each round, with the bytes a token reads and each format's perplexity.
 
 SmolLM2-135M-Instruct's published weights are llama.cpp's Q4_1 (linear layers) with a Q8_0
-embedding, so "fp32" is that file dequantized and Q4_1's perplexity is fp32's by
-construction. minillm's int4 re-quantizes those weights to its own grid and pays for it.
-Perplexity here is the formats' (their weights, dequantized, through minillm's fp32 model);
-llama.cpp also rounds the activations of its quantized matmuls to 8 bits, which this leaves
-out. The int formats quantize the lm_head to int8, as the Q4_1 file's Q8_0 embedding does.
+embedding, so "fp32" is that file dequantized and Q4_1's weights give fp32's perplexity by
+construction. minillm's int4 is Q4_1's own format (`q4_1-g32`), which finds those weights'
+grid again exactly. The int formats quantize the lm_head to int8 (one scale per row), as
+the Q4_1 file's Q8_0 embedding does. Perplexity: minillm's formats through the kernels the
+decode runs, their int8-rounded activations included; llama.cpp's from its weights alone
+(dequantized, through minillm's fp32 model), so without the 8-bit activations its own
+quantized matmuls use. Where the C kernels cannot be built, int8 and int4 fall back to
+torch's kernels (int4 at the largest group size they take), and the file says so.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from minillm.bench import llama_cpp, llama_server
 from minillm.bench.quant import decode_step
 from minillm.bench.quant_decode import group_size_for, step_bytes
 from minillm.export.gguf import export_gguf
+from minillm.kernels.matvec import matvec_status
 from minillm.lab import time_samples
 from minillm.lab.ranks import free_port
 from minillm.model import Transformer, load_model, load_tokenizer
@@ -36,20 +40,28 @@ from minillm.quant.linear import use_cpu_kernels
 from minillm.training import factbook_ids, perplexity
 
 
+def int_backend() -> str:
+    """The int formats' CPU kernels: minillm's C kernels ("c") where they build, else
+    torch's ("torch")."""
+    return "c" if matvec_status()[0] else "torch"
+
+
 def minillm_formats(base: Transformer) -> dict[str, nn.Module]:
     """fp32 through the C matvec kernel (chapter 02's decode layout where no compiler builds
-    it); int8 everywhere; int4 (the largest kernel group size that
-    divides every input) with an int8 lm_head. Both int formats on torch's CPU kernels."""
-    g = group_size_for(base)
+    it); int8 everywhere; int4 with an int8 lm_head; both int formats on `int_backend`'s
+    kernels: Q4_1's format on minillm's, or on torch's the largest group size that
+    divides every input."""
+    backend = int_backend()
+    int4 = "q4_1-g32" if backend == "c" else f"int4-g{group_size_for(base)}"
     int8 = quantize_model(copy.deepcopy(base), "int8", keep=())
-    int4 = quantize_model(quantize_model(copy.deepcopy(base), f"int4-g{g}"), "int8", keep=())
-    for name, model in (("int8", int8), (f"int4-g{g}", int4)):
-        skipped = use_cpu_kernels(model)
+    int4_model = quantize_model(quantize_model(copy.deepcopy(base), int4), "int8", keep=())
+    for name, model in (("int8", int8), (int4, int4_model)):
+        skipped = use_cpu_kernels(model, backend)
         if skipped:
             raise RuntimeError(f"{name}: no CPU kernel for {sorted(skipped)}: {skipped}")
     fp32 = copy.deepcopy(base)
     fp32 = use_matvec(fp32) if matvec_applies(fp32) else decode_layout(fp32)
-    return {"fp32": fp32, "int8": int8, f"int4-g{g}": int4}
+    return {"fp32": fp32, "int8": int8, f"int4 {int4}": int4_model}
 
 
 def llama_formats(model_dir: Path, q4_1: Path, work: Path) -> dict[str, Path]:
@@ -144,6 +156,7 @@ def run(
         "rounds": rounds,
         "windows": windows,
         "fp32_path": "C matvec kernel" if uses_matvec else "decode layout",
+        "int_kernels": {"c": "minillm's C kernels", "torch": "torch's CPU kernels"}[int_backend()],
         "formats": {
             k: {
                 "tokens_per_s": v,
@@ -179,7 +192,8 @@ def print_result(result: dict[str, Any]) -> None:
         f"\nbatch-1 decode at {result['context']} tokens, {result['rounds']} rounds, 1 thread; "
         f"perplexity on {result['windows']} Factbook windows of 256 tokens"
     )
-    print(f"minillm fp32 runs its linear layers through the {result['fp32_path']}")
+    print(f"minillm fp32 runs its linear layers through the {result['fp32_path']}", end="")
+    print(f", int8 and int4 through {result['int_kernels']}")
     print(f"{'format':<22}{'tok/s (rounds)':>18}{'MB a token':>12}{'perplexity':>12}{'vs fp32':>9}")
     for name, r in result["formats"].items():
         tps = r["tokens_per_s"]

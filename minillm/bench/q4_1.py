@@ -18,23 +18,10 @@ from minillm.training import factbook_ids, held_out_ids, next_token_agreement, p
 Q4_1_SCHEMES = ["q4_1-g32", "int4-g32", "int4sym-g32", "nf4-g32", "int4-g64", "nf4-g64", "int8"]
 
 
-def q4_1_roundtrip(w: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """llama.cpp's Q4_1 applied again: per block of `group` weights of a row, d = (max -
-    min) / 15 and m = min, both stored fp16; q = round((w - m) / d); w' = m + q d. Our
-    `int4-g32` differs in one way: its zero point is an integer code (so that 0 is exact),
-    where Q4_1's minimum is any fp16 value."""
-    g = w.float().reshape(w.shape[0], -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    d = ((hi - lo) / 15).half().float()
-    m = lo.half().float()
-    q = ((g - m) / d.clamp(min=1e-12)).round().clamp(0, 15)
-    return (m + q * d).reshape(w.shape).to(w.dtype)
-
-
 def requantized_weight(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    """One weight matrix through `scheme` and back."""
-    if scheme == "q4_1-g32":
-        return q4_1_roundtrip(w)
+    """One weight matrix through `scheme` and back ('q4_1-g32': llama.cpp's Q4_1 again;
+    our `int4-g32` differs in one way: its zero point is an integer code, so that 0 is
+    exact, where Q4_1's minimum is any fp16 value)."""
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data = w
     return QuantLinear(lin, scheme).dequantized_weight()

@@ -26,12 +26,20 @@ What the kernels need, measured on torch 2.13 (checked by `kernel_skip_reason`):
   by bf16 rounding of x (tests/test_cpu_kernels.py bounds it).
 - int8: K a multiple of 16 (the bf16 path crashes with a segfault otherwise, not an error).
 - int4: N a multiple of 16, group size 32, 64, 128 or 256.
+
+minillm's own C kernels (`minillm.kernels.matvec`'s `Int8Product` and `Q4Product`, backend
+"c") read int8 codes with a scale per row (scheme 'int8') and Q4_1 codes (scheme 'q4_1-g32')
+and keep fp32 activations at their interface: inside, each row of x is rounded to int8 per
+block of 32 (llama.cpp's way), so that every block's dot product is an integer one. On one
+core they decode faster than torch's kernels above (chapter 06's peers benchmark measures
+both beside llama.cpp).
 """
 
 from __future__ import annotations
 
 import torch
 
+from minillm.kernels.matvec import BLOCK, matvec_status
 from minillm.quant.formats import Int4Weight, unpack_int4
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
@@ -62,10 +70,15 @@ def int4_skip_reason(qw: Int4Weight) -> str | None:
 def int4_scales_and_offsets(qw: Int4Weight, dtype: torch.dtype = COMPUTE_DTYPE) -> torch.Tensor:
     """[in / group, out, 2]: (scale, offset) per group in the kernel's layout, where
     w = (q - 8) * scale + offset; ours is w = (q - zero) * scale, so offset = (8 - zero) *
-    scale (zero = 8 for symmetric codes)."""
+    scale (zero = 8 for symmetric codes), or Q4_1's w = q * scale + minimum, so offset =
+    minimum + 8 * scale."""
     scale = qw.scale.float()
-    zero = torch.full_like(scale, 8.0) if qw.zero is None else qw.zero.float()
-    pairs = torch.stack([scale, (8.0 - zero) * scale], dim=-1)  # [out, groups, 2]
+    if qw.minimum is not None:  # Q4_1: w = q * scale + minimum
+        offset = qw.minimum.float() + 8.0 * scale
+    else:
+        zero = torch.full_like(scale, 8.0) if qw.zero is None else qw.zero.float()
+        offset = (8.0 - zero) * scale
+    pairs = torch.stack([scale, offset], dim=-1)  # [out, groups, 2]
     return pairs.transpose(0, 1).contiguous().to(dtype)
 
 
@@ -122,3 +135,24 @@ class Int4Kernel:
         flat = x.reshape(-1, x.shape[-1]).to(self.dtype)
         y = _INT4_MM(flat, self.packed, self.group_size, self.scales_and_offsets)
         return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def c_skip_reason(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, qw: Int4Weight | None
+) -> str | None:
+    """Why minillm's C kernels cannot run this layer (None: they can): int8 codes `q` with
+    `scale` and `zero`, or the 4-bit weight `qw`."""
+    ok, why = matvec_status()
+    if not ok:
+        return why
+    if qw is not None:
+        if qw.minimum is None:
+            return "the C int4 kernel takes Q4_1 codes (a float minimum): use scheme 'q4_1-g32'"
+        if qw.group_size != BLOCK:
+            return f"the C int4 kernel takes groups of {BLOCK}, not {qw.group_size}"
+        inner = qw.packed.shape[1] * 2
+    else:
+        if zero is not None or scale.numel() != q.shape[0]:
+            return "the C int8 kernel takes symmetric per-channel codes: use scheme 'int8'"
+        inner = q.shape[1]
+    return None if inner % BLOCK == 0 else f"in_features={inner} is not a multiple of {BLOCK}"

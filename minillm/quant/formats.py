@@ -136,24 +136,30 @@ def split_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
 @dataclass
 class Int4Weight:
     """Group-wise 4-bit weight: packed codes [out, in/2], one fp16 scale per group and
-    (asymmetric) one uint8 zero point per group, or zero = 8 for symmetric codes."""
+    (asymmetric) one uint8 zero point per group, or zero = 8 for symmetric codes; or, in
+    llama.cpp's Q4_1 form, one fp16 `minimum` per group instead of a zero point:
+    w = q * scale + minimum, any value rather than a whole number of steps."""
 
     packed: torch.Tensor  # uint8 [out, in / 2]
     scale: torch.Tensor  # fp16 [out, in / group_size]
     zero: torch.Tensor | None  # uint8 [out, in / group_size], None = symmetric (zero 8)
     group_size: int
+    minimum: torch.Tensor | None = None  # fp16 [out, in / group_size]: Q4_1 (zero unused)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 weight [out, in]."""
         q = unpack_int4(self.packed).float()
         out_f, in_f = q.shape
         q = q.view(out_f, in_f // self.group_size, self.group_size)
+        scale = self.scale.float()[..., None]
+        if self.minimum is not None:
+            return (q * scale + self.minimum.float()[..., None]).view(out_f, in_f)
         zero = 8.0 if self.zero is None else self.zero.float()[..., None]
-        return ((q - zero) * self.scale.float()[..., None]).view(out_f, in_f)
+        return ((q - zero) * scale).view(out_f, in_f)
 
     @property
     def nbytes(self) -> int:
-        parts = (self.packed, self.scale, self.zero)
+        parts = (self.packed, self.scale, self.zero, self.minimum)
         return sum(t.nbytes for t in parts if t is not None)
 
 
@@ -187,6 +193,18 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     q = int4_codes(g, scale[..., None], None if zero is None else zero[..., None])
     packed = pack_int4(q.to(torch.uint8).view(w.shape))
     return Int4Weight(packed, scale, None if zero is None else zero.to(torch.uint8), group_size)
+
+
+def quantize_q4_1(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """llama.cpp's Q4_1 of a weight [out, in]: per group of `group_size` inputs of a row,
+    scale = (max - min) / 15 and minimum = min, both stored fp16, codes round((w - min) /
+    scale). The grid spans the group's own range, 0 inside it or not; the price is a
+    second fp16 per group where `quantize_int4` stores a 1-byte zero point."""
+    g = split_groups(w.float(), group_size)
+    lo, hi = g.amin(-1).half(), g.amax(-1)
+    scale = ((hi - lo.float()) / 15).clamp(min=1e-8).half()
+    q = ((g - lo.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
+    return Int4Weight(pack_int4(q.to(torch.uint8).view(w.shape)), scale, None, group_size, lo)
 
 
 def _nf4_pairs(device: torch.device) -> torch.Tensor:

@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.quant.cpu_kernels import Int4Kernel, Int8Kernel, int4_skip_reason, int8_skip_reason
+from minillm.kernels.matvec import Int8Product, Q4Product
+from minillm.quant.cpu_kernels import (
+    Int4Kernel,
+    Int8Kernel,
+    c_skip_reason,
+    int4_skip_reason,
+    int8_skip_reason,
+)
 from minillm.quant.formats import (
     Int4Weight,
     NF4Weight,
@@ -25,19 +32,25 @@ from minillm.quant.formats import (
     dequantize,
     quantize_int4,
     quantize_nf4,
+    quantize_q4_1,
     zeropoint_quantize,
 )
+
+CpuKernel = Int8Kernel | Int4Kernel | Int8Product | Q4Product
+BACKENDS = ("torch", "c")
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """A weight format: kind 'int8' | 'int4' | 'nf4', group size (0 = per channel / tensor)."""
+    """A weight format: kind 'int8' | 'int4' | 'nf4', group size (0 = per channel / tensor);
+    `float_min`: int4 with a per-group fp16 minimum instead of a zero point (Q4_1)."""
 
     kind: str
     group_size: int = 0
     symmetric: bool = True
     per_channel: bool = True
     double_quant: bool = False
+    float_min: bool = False
 
     @property
     def bits(self) -> int:
@@ -45,21 +58,23 @@ class Scheme:
 
 
 SCHEME_HELP = (
-    "int8 | int8-asym | int8-tensor | int4-g<G> | int4sym-g<G> | nf4-g<G> | nf4-g<G>-dq "
-    "(G = 32, 64, 128, ...)"
+    "int8 | int8-asym | int8-tensor | int4-g<G> | int4sym-g<G> | q4_1-g<G> | nf4-g<G> | "
+    "nf4-g<G>-dq (G = 32, 64, 128, ...)"
 )
 
 
 def parse_scheme(name: str) -> Scheme:
     """'int8' (symmetric per-channel), 'int8-asym', 'int8-tensor', 'int4-g128' (asymmetric,
-    zero point), 'int4sym-g128', 'nf4-g64', 'nf4-g64-dq' (double quantization)."""
+    zero point), 'int4sym-g128', 'q4_1-g32' (llama.cpp's Q4_1: a float minimum), 'nf4-g64',
+    'nf4-g64-dq' (double quantization)."""
     if name in ("int8", "int8-asym", "int8-tensor"):
         return Scheme("int8", symmetric=name != "int8-asym", per_channel=name != "int8-tensor")
-    m = re.fullmatch(r"(int4|int4sym|nf4)-g(\d+)(-dq)?", name)
+    m = re.fullmatch(r"(int4|int4sym|q4_1|nf4)-g(\d+)(-dq)?", name)
     if not m or (m[3] and m[1] != "nf4"):
         raise ValueError(f"unknown quantization scheme {name!r}: use one of {SCHEME_HELP}")
     kind = "nf4" if m[1] == "nf4" else "int4"
-    return Scheme(kind, int(m[2]), symmetric=m[1] != "int4", double_quant=bool(m[3]))
+    symmetric = m[1] in ("int4sym", "nf4")
+    return Scheme(kind, int(m[2]), symmetric, double_quant=bool(m[3]), float_min=m[1] == "q4_1")
 
 
 class QuantLinear(nn.Module):
@@ -96,6 +111,8 @@ class QuantLinear(nn.Module):
         else:  # every tensor a buffer, so .to(device) moves them
             if quantized is not None:
                 qw: Int4Weight | NF4Weight = quantized
+            elif s.float_min:
+                qw = quantize_q4_1(w, s.group_size)
             elif s.kind == "int4":
                 qw = quantize_int4(w, s.group_size, s.symmetric)
             else:
@@ -108,31 +125,43 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.act: str | None = None
         self.outlier_threshold: float | None = None
-        self.kernel: Int8Kernel | Int4Kernel | None = None  # set by use_cpu_kernel
+        self.kernel: CpuKernel | None = None  # set by use_cpu_kernel
 
-    def use_cpu_kernel(self) -> str | None:
-        """Run this layer on torch's CPU int8 / int4 kernel from now on (see
-        `minillm.quant.cpu_kernels`); returns why not (and changes nothing) where the
-        kernel does not apply to the scheme or shape."""
+    def use_cpu_kernel(self, backend: str = "torch") -> str | None:
+        """Run this layer on a CPU int8 / int4 kernel from now on: torch's ("torch") or
+        minillm's C kernels ("c"), see `minillm.quant.cpu_kernels`; returns why not (and
+        changes nothing) where the kernel does not apply to the scheme or shape."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         s = self.scheme
         if s.kind == "nf4":
-            return "NF4 has no CPU kernel in torch (a table lookup, not an affine grid)"
-        if s.kind == "int8":
-            reason = int8_skip_reason(self.qweight, self.scale, self.zero)
+            return "NF4 has no CPU kernel here (a table lookup, not an affine grid)"
+        int8 = s.kind == "int8"
+        if backend == "c":
+            q = self.qweight if int8 else self.packed
+            reason = c_skip_reason(q, self.scale, self.zero, None if int8 else self.qw)
         else:
-            reason = int4_skip_reason(self.qw)
-        if reason is None:
-            self.kernel = (
-                Int8Kernel(self.qweight, self.scale) if s.kind == "int8" else (Int4Kernel(self.qw))
+            reason = (
+                int8_skip_reason(self.qweight, self.scale, self.zero)
+                if int8
+                else int4_skip_reason(self.qw)
             )
-        return reason
+        if reason is not None:
+            return reason
+        if backend == "torch":
+            self.kernel = Int8Kernel(self.qweight, self.scale) if int8 else Int4Kernel(self.qw)
+        elif int8:  # the layer's own codes and scales, as they are
+            self.kernel = Int8Product(self.qweight, self.scale.reshape(-1).contiguous())
+        else:
+            self.kernel = Q4Product(self.packed, self.scale, self.minimum)
+        return None
 
     @property
     def qw(self) -> Int4Weight | NF4Weight:
         """The packed weight as an `Int4Weight` / `NF4Weight` (4-bit schemes only)."""
         s = self.scheme
         if s.kind == "int4":
-            return Int4Weight(self.packed, self.scale, self.zero, s.group_size)
+            return Int4Weight(self.packed, self.scale, self.zero, s.group_size, self.minimum)
         return NF4Weight(self.packed, self.absmax, s.group_size, self.dq_scale, self.dq_offset)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -171,12 +200,14 @@ def _check_matches(qw: Int4Weight, scheme: Scheme, linear: nn.Linear) -> None:
         scheme.kind != "int4"
         or qw.group_size != scheme.group_size
         or symmetric != scheme.symmetric
+        or (qw.minimum is not None) != scheme.float_min
         or tuple(qw.packed.shape) != shape
     ):
         raise ValueError(
-            f"the precomputed Int4Weight (group {qw.group_size}, symmetric={symmetric}, packed "
-            f"{tuple(qw.packed.shape)}) does not fit scheme {scheme} on a linear of packed "
-            f"shape {shape}: quantize with the scheme's group size and symmetry"
+            f"the precomputed Int4Weight (group {qw.group_size}, symmetric={symmetric}, float "
+            f"minimum={qw.minimum is not None}, packed {tuple(qw.packed.shape)}) does not fit "
+            f"scheme {scheme} on a linear of packed shape {shape}: quantize with the scheme's "
+            "group size and symmetry"
         )
 
 
@@ -258,12 +289,13 @@ def set_activation_quant(
             mod.act, mod.outlier_threshold = granularity, outlier_threshold
 
 
-def use_cpu_kernels(model: nn.Module) -> dict[str, str]:
-    """Switch every QuantLinear of `model` to torch's CPU kernel where it applies; returns
-    {layer name: why not} for the layers left on dequantize-then-matmul."""
+def use_cpu_kernels(model: nn.Module, backend: str = "torch") -> dict[str, str]:
+    """Switch every QuantLinear of `model` to a CPU kernel (torch's, or minillm's C kernels
+    with backend "c") where it applies; returns {layer name: why not} for the layers left
+    on dequantize-then-matmul."""
     skipped = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear) and (reason := mod.use_cpu_kernel()) is not None:
+        if isinstance(mod, QuantLinear) and (reason := mod.use_cpu_kernel(backend)) is not None:
             skipped[name] = reason
     return skipped
 
