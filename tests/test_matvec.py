@@ -73,7 +73,7 @@ def test_matvec_linear_trains_through_f_linear():
 def test_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    mv._library.cache_clear()
+    mv.library.cache_clear()
     try:
         assert mv.matvec_status() == (
             False,
@@ -85,7 +85,7 @@ def test_missing_compiler_is_named(monkeypatch, tmp_path):
             use_matvec(load_model())
     finally:
         monkeypatch.undo()
-        mv._library.cache_clear()
+        mv.library.cache_clear()
 
 
 def test_the_engine_decodes_batches_through_the_kernel(model, prompts):
@@ -107,10 +107,10 @@ def test_an_unwritable_cache_is_named(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the cache folder would go
     monkeypatch.setenv("MINILLM_CACHE", str(blocked))
-    mv._library.cache_clear()
+    mv.library.cache_clear()
     try:
         ok, why = mv.matvec_status()
         assert not ok and "set MINILLM_CACHE to a folder this user can write" in why
     finally:
         monkeypatch.undo()
-        mv._library.cache_clear()
+        mv.library.cache_clear()

@@ -33,7 +33,13 @@ from minillm.kernels.matvec import matvec_status
 from minillm.lab import time_samples
 from minillm.lab.ranks import free_port
 from minillm.model import Transformer, load_model, load_tokenizer
-from minillm.model.layout import MatVecLinear, decode_layout, matvec_applies, use_matvec
+from minillm.model.layout import (
+    MatVecLinear,
+    decode_layout,
+    matvec_applies,
+    use_matvec,
+    use_row_ops,
+)
 from minillm.model.weights import resolve_model_dir
 from minillm.quant import quantize_model
 from minillm.quant.linear import use_cpu_kernels
@@ -47,10 +53,10 @@ def int_backend() -> str:
 
 
 def minillm_formats(base: Transformer) -> dict[str, nn.Module]:
-    """fp32 through the C matvec kernel (chapter 02's decode layout where no compiler builds
-    it); int8 everywhere; int4 with an int8 lm_head; both int formats on `int_backend`'s
-    kernels: Q4_1's format on minillm's, or on torch's the largest group size that
-    divides every input."""
+    """fp32 through the C matvec kernel and row ops (chapter 02's decode layout where no
+    compiler builds them); int8 everywhere; int4 with an int8 lm_head; both int formats on
+    `int_backend`'s kernels: Q4_1's format on minillm's (with the row ops), or on torch's
+    the largest group size that divides every input."""
     backend = int_backend()
     int4 = "q4_1-g32" if backend == "c" else f"int4-g{group_size_for(base)}"
     int8 = quantize_model(copy.deepcopy(base), "int8", keep=())
@@ -59,6 +65,8 @@ def minillm_formats(base: Transformer) -> dict[str, nn.Module]:
         skipped = use_cpu_kernels(model, backend)
         if skipped:
             raise RuntimeError(f"{name}: no CPU kernel for {sorted(skipped)}: {skipped}")
+        if backend == "c":
+            use_row_ops(model)  # the C RMSNorm and rotary embedding, as fp32's use_matvec gives
     fp32 = copy.deepcopy(base)
     fp32 = use_matvec(fp32) if matvec_applies(fp32) else decode_layout(fp32)
     return {"fp32": fp32, "int8": int8, f"int4 {int4}": int4_model}

@@ -39,7 +39,7 @@ import torch
 
 from minillm.paths import cache_root
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("matvec.c", "qmatvec.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("matvec.c", "qmatvec.c", "rowops.c"))
 MAX_ROWS = 8  # past this (about 12 on SmolLM2's shapes, one core) BLAS's matrix product wins
 
 
@@ -58,7 +58,7 @@ def _machine_key() -> str:
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
+def library() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled kernel, '') or (None, why not); compiled at most once per machine."""
     cc = os.environ.get("CC")
     compiler = shutil.which(cc) if cc else shutil.which("cc") or shutil.which("gcc")
@@ -93,12 +93,16 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matvec_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     lib.matvec_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
     lib.matvec_int8.restype = lib.matvec_q4.restype = ctypes.c_int
+    if hasattr(lib, "rms_norm_f32"):
+        lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+        lib.rope_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+        lib.rms_norm_f32.restype = lib.rope_f32.restype = None
     return lib
 
 
 def matvec_status() -> tuple[bool, str]:
     """(the C kernel runs here, '' or the reason it cannot)."""
-    lib, why = _library()
+    lib, why = library()
     return lib is not None, why
 
 
@@ -127,7 +131,7 @@ def try_matvec(
 ) -> torch.Tensor | None:
     """`F.linear(x, weight, bias)` through the kernel, or None where it does not apply
     (`fits`) or cannot run here: the caller then keeps `F.linear`."""
-    lib = _library()[0]
+    lib = library()[0]
     if lib is None or not fits(x, weight, bias):
         return None
     x = x.contiguous()
@@ -178,7 +182,7 @@ def _run(fn: Any, weights: tuple[int, ...], x: torch.Tensor, out: int, inner: in
 def _weights(*named: tuple[str, torch.Tensor, torch.dtype]) -> ctypes.CDLL:
     """The library, after checking that each weight tensor is a C-contiguous CPU tensor of
     its dtype (the kernels read their memory as it is, every call)."""
-    lib, why = _library()
+    lib, why = library()
     if lib is None:
         raise RuntimeError(f"the C matvec kernel cannot run here: {why}")
     for name, t, dtype in named:

@@ -30,12 +30,15 @@ line use it by default for fp32 on a CPU (`matvec_applies`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.kernels import matvec
-from minillm.model.transformer import MLP, Attention, SideBySide
+from minillm.kernels import matvec, rowops
+from minillm.model.transformer import MLP, Attention, SideBySide, Transformer, apply_rope, rms_norm
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
@@ -130,4 +133,15 @@ def use_matvec(model: nn.Module) -> nn.Module:
                 if not swapped.weight.is_contiguous():  # a tied embedding follows
                     swapped.weight.data = swapped.weight.data.contiguous()
                 setattr(module, name, swapped)
+    return use_row_ops(model)
+
+
+def use_row_ops(model: nn.Module) -> nn.Module:
+    """Give a minillm `Transformer` the C RMSNorm and rotary embedding of
+    `minillm.kernels.rowops` as its ops (fp32 CPU tensors; anything else takes the PyTorch
+    ops, which they call in that case). Returns the model; other modules pass unchanged."""
+    if isinstance(model, Transformer):
+        norm = functools.partial(rowops.rms_norm, fallback=rms_norm)
+        rope = functools.partial(rowops.rope, fallback=apply_rope)
+        model.ops = dataclasses.replace(model.ops, norm=norm, rope=rope)
     return model

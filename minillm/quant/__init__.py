@@ -13,6 +13,7 @@ from minillm.quant.formats import (
     pack_int4,
     quantize_int4,
     quantize_nf4,
+    quantize_q4_1,
     unpack_int4,
     zeropoint_quantize,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "quantize_int4",
     "quantize_model",
     "quantize_nf4",
+    "quantize_q4_1",
     "set_activation_quant",
     "unpack_int4",
     "weight_bytes",
