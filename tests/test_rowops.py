@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate
+from minillm.cache import KVCache
 from minillm.kernels import matvec, rowops
 from minillm.model.layout import use_row_ops
 from minillm.model.transformer import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
@@ -61,3 +62,46 @@ def test_a_model_on_the_c_ops_keeps_its_tokens(model, prompts):
         torch.testing.assert_close(fast(ids), model(ids), atol=1e-4, rtol=1e-5)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     assert generate(fast, prompts[:3], params) == generate(model, prompts[:3], params)
+
+
+def filled(cfg, decode_kernel: bool) -> KVCache:
+    cache = KVCache(cfg, 3, 16)
+    g = torch.Generator().manual_seed(0)
+    for buffer in (cache.k, cache.v):
+        buffer.copy_(torch.randn(buffer.shape, generator=g))
+    cache.decode_kernel, cache.kv_len = decode_kernel, 12
+    return cache
+
+
+def test_decode_attention_matches_the_pytorch_path(model):
+    """Rows at different positions, one past the kv_len window, grouped-query heads: the C
+    step writes the same K/V and returns the same attention as the mask-and-SDPA path."""
+    cfg = model.config
+    fast, slow = filled(cfg, True), filled(cfg, False)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, cfg.num_attention_heads, 1, cfg.head_dim, generator=g)
+    k, v = (torch.randn(3, cfg.num_key_value_heads, 1, cfg.head_dim, generator=g) for _ in "kv")
+    positions = torch.tensor([[11], [4], [13]])  # 13: past kv_len, sees the 12 slots
+    assert rowops.decode_attention(fast.k[1], fast.v[1], q, k, v, positions, 12) is not None
+    fast = filled(cfg, True)  # the direct call above wrote into it: start again
+    torch.testing.assert_close(
+        fast.attention(1, q, k, v, positions), slow.attention(1, q, k, v, positions)
+    )
+    assert torch.equal(fast.k, slow.k) and torch.equal(fast.v, slow.v)
+
+
+def test_decode_attention_leaves_other_steps_to_pytorch(model):
+    cfg = model.config
+    cache = filled(cfg, True)
+    q = torch.randn(1, cfg.num_attention_heads, 2, cfg.head_dim)  # two tokens: a prompt chunk
+    k = v = torch.randn(1, cfg.num_key_value_heads, 2, cfg.head_dim)
+    assert (
+        rowops.decode_attention(cache.k[0], cache.v[0], q, k, v, torch.tensor([[3, 4]]), 12) is None
+    )
+    q1, k1 = q[:, :, :1].half(), k[:, :, :1].half()
+    pos = torch.tensor([[3]])
+    assert rowops.decode_attention(cache.k[0], cache.v[0], q1, k1, k1, pos, 12) is None
+    with pytest.raises(IndexError, match="16 slots"):
+        rowops.decode_attention(
+            cache.k[0], cache.v[0], q1.float(), k1.float(), k1.float(), torch.tensor([[16]]), 12
+        )

@@ -36,6 +36,7 @@ def filled_cache(model: Transformer, n: int, seed: int = 0) -> KVCache:
     a prefill is minutes on one thread, and the step's speed does not depend on them)."""
     weight = model.lm_head.weight
     cache = KVCache(model.config, 1, n, weight.dtype, weight.device)
+    cache.decode_kernel = False  # the forms here are PyTorch's SDPA, not the C decode step
     g = torch.Generator(device=weight.device).manual_seed(seed)
     for buffer in (cache.k, cache.v):
         buffer.normal_(generator=g)

@@ -23,11 +23,20 @@ from __future__ import annotations
 import torch
 
 from minillm.cache.kv_quant import kv_quant
-from minillm.cache.protocol import ModelShape, SdpaCache
+from minillm.cache.protocol import ModelShape, SdpaCache, grouped_sdpa
+from minillm.kernels import rowops
 
 
 class KVCache(SdpaCache):
-    """Per-layer K/V buffers for `batch_size` sequences of up to `max_len` tokens."""
+    """Per-layer K/V buffers for `batch_size` sequences of up to `max_len` tokens.
+
+    A decode step (one token a row) of fp32 CPU tensors, with the cache's default attention
+    (`grouped_sdpa`) and `decode_kernel` on, writes and attends in one C call
+    (`minillm.kernels.rowops.decode_attention`: grouped SDPA's math, without the mask,
+    the index writes and the kernel launch PyTorch spends per layer); anything else takes
+    the PyTorch path below."""
+
+    decode_kernel = True  # False: every step the PyTorch way (a benchmark's baseline)
 
     def __init__(
         self,
@@ -87,6 +96,17 @@ class KVCache(SdpaCache):
             codes[layer][rows, :, positions], scales[layer][rows, :, positions] = q, scale
             out.append(self.quant.dequantize(codes[window], scales[window], k.dtype))
         return out[0], out[1]
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        if self.decode_kernel and self.quant is None and self.sdpa is grouped_sdpa:
+            out = rowops.decode_attention(
+                self.k[layer], self.v[layer], q, k, v, positions, self.kv_len
+            )
+            if out is not None:
+                return out
+        return super().attention(layer, q, k, v, positions)
 
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """bool [B, 1, T, kv_len]: a query at position p sees slots 0..p of its row."""

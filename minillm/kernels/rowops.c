@@ -1,8 +1,12 @@
-/* minillm's CPU row ops for a decode step: RMSNorm and rotary embedding, each one pass in C
-   where PyTorch runs seven or eight small ops, each with its own dispatch and temporary.
-   At one token a step those ops cost more than their arithmetic (chapter 05 measures it). */
+/* minillm's CPU row ops for a decode step: RMSNorm, rotary embedding and the attention over
+   a contiguous KV cache, each one pass in C where PyTorch runs several small ops, each with
+   its own dispatch and temporary. At one token a step those ops cost more than their
+   arithmetic (chapter 05 measures it). */
 
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* Y[r] = W * (X[r] / sqrt(mean(X[r]^2) + eps)), in the order minillm's rms_norm computes it */
 void rms_norm_f32(const float *restrict X, const float *restrict W, float *restrict Y, long rows,
@@ -36,4 +40,80 @@ void rope_f32(const float *restrict X, const float *restrict C, const float *res
           y[i + h] = x[i + h] * c[i + h] + x[i] * s[i + h];
         }
       }
+}
+
+/* e^x for x <= 0, to about 2e-7 relative, in plain arithmetic so that loops of it vectorize:
+   x = k ln 2 + r with |r| <= ln 2 / 2, e^r from its Taylor series to r^7, 2^k built in the
+   float's exponent bits. Below -87 (e^x under float's smallest normal) it returns 0. */
+static inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float k = rintf(x * 1.44269504f);
+  const float r = x - k * 0.693145752f - k * 1.42860677e-6f; /* ln 2 in two parts */
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  memcpy(&two_k, &bits, 4);
+  return x <= -87.0f ? 0.0f : p * two_k;
+}
+
+/* One decode step's attention for a layer of a contiguous cache, K and V [B, Hkv, L, d]:
+   write each row's new k, v [B, Hkv, d] at its position p (pos[b]), then attend its Hq
+   queries q [B, Hq, d] over slots 0..min(p, kv_len - 1), as minillm's masked SDPA does.
+   Grouped-query: a kv head's Hq / Hkv queries are scored together, so its K and V rows are
+   read once, not once a query head. out [B, Hq, d]. Returns 0, -1 when the scratch memory
+   cannot be allocated, -2 when a position is not a slot of the cache. */
+int decode_attention_f32(float *restrict K, float *restrict V, const float *restrict q,
+                         const float *restrict k, const float *restrict v,
+                         const int64_t *restrict pos, float *restrict out, long B, long Hq,
+                         long Hkv, long L, long d, long kv_len, float scale) {
+  const long group = Hq / Hkv;
+  float *w = malloc(sizeof(float) * group * (kv_len > 0 ? kv_len : 1));
+  if (w == NULL) return -1;
+  for (long b = 0; b < B; b++) {
+    const long p = pos[b];
+    if (p < 0 || p >= L) {
+      free(w);
+      return -2;
+    }
+    const long n = p + 1 < kv_len ? p + 1 : kv_len;
+    for (long h = 0; h < Hkv; h++) {
+      float *Kh = K + (b * Hkv + h) * L * d, *Vh = V + (b * Hkv + h) * L * d;
+      memcpy(Kh + p * d, k + (b * Hkv + h) * d, sizeof(float) * d);
+      memcpy(Vh + p * d, v + (b * Hkv + h) * d, sizeof(float) * d);
+      const float *qh = q + (b * Hq + h * group) * d;
+      float *oh = out + (b * Hq + h * group) * d;
+      for (long s = 0; s < n; s++) /* scores: each K row once for the group's queries */
+        for (long g = 0; g < group; g++) {
+          float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+          for (long i = 0; i < d; i++) t += qh[g * d + i] * Kh[s * d + i];
+          w[g * n + s] = t * scale;
+        }
+      for (long g = 0; g < group; g++) { /* softmax of each query's scores */
+        float *wg = w + g * n, top = wg[0], sum = 0.0f;
+        for (long s = 1; s < n; s++) top = wg[s] > top ? wg[s] : top;
+#pragma omp simd reduction(+ : sum)
+        for (long s = 0; s < n; s++) sum += (wg[s] = exp_neg(wg[s] - top));
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (long s = 0; s < n; s++) wg[s] *= inv;
+        memset(oh + g * d, 0, sizeof(float) * d);
+      }
+      for (long s = 0; s < n; s++) /* the weighted sum: each V row once */
+        for (long g = 0; g < group; g++) {
+          const float ws = w[g * n + s];
+#pragma omp simd
+          for (long i = 0; i < d; i++) oh[g * d + i] += ws * Vh[s * d + i];
+        }
+    }
+  }
+  free(w);
+  return 0;
 }

@@ -21,16 +21,14 @@ Fallback = Callable[..., torch.Tensor]
 
 
 def _plain(*ts: torch.Tensor) -> bool:
-    """fp32 CPU tensors, no gradient wanted, no compile tracing: what the C row ops take."""
-    if torch.compiler.is_compiling():
-        return False
+    """fp32 CPU tensors, no gradient wanted: what the C row ops take."""
     grad = torch.is_grad_enabled()
     return all(t.dtype == torch.float32 and t.is_cpu and not (grad and t.requires_grad) for t in ts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback: Fallback) -> torch.Tensor:
     """`fallback(x, weight, eps)`'s RMSNorm over the last dimension, in C where it applies."""
-    lib = library()[0]
+    lib = None if torch.compiler.is_compiling() else library()[0]  # a compile traces torch's
     if lib is None or not _plain(x, weight) or not weight.is_contiguous():
         return fallback(x, weight, eps)
     x = x.contiguous()
@@ -43,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback: Fallba
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fallback: Fallback) -> torch.Tensor:
     """`fallback(x, cos, sin)`'s rotation of x [B, H, T, d] by tables [B, T, d], in C where
     it applies (x's channels contiguous, the tables contiguous); the result is contiguous."""
-    lib = library()[0]
+    lib = None if torch.compiler.is_compiling() else library()[0]
     if (
         lib is None
         or not _plain(x, cos, sin)
@@ -59,3 +57,46 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fallback: Fallba
     sb, sh, st, _ = x.stride()
     lib.rope_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), b, h, t, d, sb, sh, st)
     return y
+
+
+def decode_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor | None:
+    """One decode step's attention for a layer of a contiguous cache, in C: write k, v
+    [B, kv_heads, 1, d] into k_cache, v_cache [B, kv_heads, max_len, d] at `positions`
+    [B, 1], then attend q [B, heads, 1, d] over each row's slots up to its position within
+    the first `kv_len` (the mask `KVCache.causal_mask` draws), each kv head's K and V read
+    once for its group of query heads. None (nothing written) where it does not apply:
+    not one token a row, not fp32 CPU tensors, a gradient wanted, a compile tracing (it
+    sees PyTorch's path)."""
+    lib = None if torch.compiler.is_compiling() else library()[0]
+    if (
+        lib is None
+        or q.dim() != 4
+        or q.shape[2] != 1
+        or k.shape[2] != 1
+        or kv_len < 1
+        or positions.dtype != torch.int64
+        or not _plain(k_cache, v_cache, q, k, v)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    b, heads, _, d = q.shape
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pos = positions.reshape(-1).contiguous()
+    out = q.new_empty(b, heads, 1, d)
+    ptrs = (k_cache, v_cache, q, k, v, pos, out)
+    shape = (b, heads, kv_heads, max_len, d, kv_len)
+    status = lib.decode_attention_f32(*(t.data_ptr() for t in ptrs), *shape, d**-0.5)
+    if status == -2:
+        raise IndexError(f"positions {pos.tolist()} go past the cache's {max_len} slots")
+    if status != 0:
+        raise MemoryError("the C decode attention could not allocate its scores")
+    return out
