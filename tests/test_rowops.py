@@ -10,6 +10,7 @@ import torch
 
 from minillm import SamplingParams, generate
 from minillm.cache import KVCache
+from minillm.cache.paged import PagedKVCache, attend
 from minillm.kernels import matvec, rowops
 from minillm.model.layout import use_row_ops
 from minillm.model.transformer import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
@@ -105,3 +106,21 @@ def test_decode_attention_leaves_other_steps_to_pytorch(model):
         rowops.decode_attention(
             cache.k[0], cache.v[0], q1.float(), k1.float(), k1.float(), torch.tensor([[16]]), 12
         )
+
+
+def test_paged_attention_matches_the_gather_path(model):
+    """Decode rows of different lengths through block tables (one padded with -1): the C
+    kernel reads the pool in place and returns what gathering the blocks for SDPA does."""
+    cfg = model.config
+    cache = PagedKVCache(cfg, num_blocks=8, block_size=4)
+    g = torch.Generator().manual_seed(2)
+    for pool in (cache.k, cache.v):
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    tables, lens = torch.tensor([[3, 1, 6], [2, 5, -1]]), torch.tensor([10, 6])
+    q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, generator=g)
+    fast = rowops.paged_attention(q, cache.k[0], cache.v[0], tables, lens)
+    k_rows, v_rows = cache.gather(0, tables, q.dtype)
+    torch.testing.assert_close(fast, attend(q[:, :, None], k_rows, v_rows, lens)[:, :, 0])
+    with pytest.raises(IndexError, match="do not hold"):
+        rowops.paged_attention(q, cache.k[0], cache.v[0], tables, torch.tensor([10, 9]))
+    assert rowops.paged_attention(q.half(), cache.k[0], cache.v[0], tables, lens) is None

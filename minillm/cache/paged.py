@@ -12,7 +12,8 @@ rest follows from the positions the model passes to `attention`, as for any cach
 - each token's slot, where its K/V are written: its block (its sequence's table at
   position // block_size) and the offset in it;
 - what it attends to: its sequence's tokens up to its own position. Decode rows are
-  attended by the Triton paged kernel in place (`use_kernel=True`), or by gathering their
+  attended in place by the Triton paged kernel (`use_kernel=True`) or, fp32 on a CPU, by
+  minillm's C one (`minillm.kernels.rowops.paged_attention`), else by gathering their
   blocks for SDPA; each prompt chunk's queries attend to the sequence's cached tokens and
   to the chunk's own, causally, on gathered K/V.
 
@@ -29,6 +30,7 @@ import torch
 
 from minillm.cache.kv_quant import kv_quant
 from minillm.cache.protocol import ModelShape, grouped_sdpa
+from minillm.kernels import rowops
 from minillm.kernels.paged_attention import gather_kv, paged_attention
 
 
@@ -190,9 +192,15 @@ class PagedKVCache:
             tables, lens = self.decode_tables, seen[:n]
             if self.use_kernel:
                 out = paged_attention(q_dec, self.k[layer], self.v[layer], tables, lens)
-            else:
-                k_rows, v_rows = self.gather(layer, tables, q.dtype)
-                out = attend(q_dec[:, :, None], k_rows, v_rows, lens)[:, :, 0]
+            else:  # in place in C (fp32 CPU, unquantized), else a gather and SDPA
+                out = (
+                    None
+                    if self.quant
+                    else rowops.paged_attention(q_dec, self.k[layer], self.v[layer], tables, lens)
+                )
+                if out is None:
+                    k_rows, v_rows = self.gather(layer, tables, q.dtype)
+                    out = attend(q_dec[:, :, None], k_rows, v_rows, lens)[:, :, 0]
             outs.append(out.transpose(0, 1)[None])  # [1, heads, n, d]
         offset = n
         for table, length in self.chunks:

@@ -99,7 +99,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rms_norm_f32.restype = lib.rope_f32.restype = None
         lib.decode_attention_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 6
         lib.decode_attention_f32.argtypes += [ctypes.c_float]
-        lib.decode_attention_f32.restype = ctypes.c_int
+        lib.decode_attention_f32.restype = lib.paged_attention_f32.restype = ctypes.c_int
+        lib.paged_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7
+        lib.paged_attention_f32.argtypes += [ctypes.c_float]
     return lib
 
 

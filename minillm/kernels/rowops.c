@@ -63,6 +63,43 @@ static inline float exp_neg(float x) {
   return x <= -87.0f ? 0.0f : p * two_k;
 }
 
+/* The attention of one kv head's `group` queries qh [group, d] over n cached slots whose K
+   and V rows sit at K + slot[s] * stride (slot NULL: s itself): the scores of every query
+   from one read of each K row, a softmax per query, then one read of each V row for the
+   weighted sums oh [group, d]. w: group * n floats of scratch. */
+static void attend_group(const float *restrict qh, float *restrict oh, long group, long d,
+                         const float *restrict K, const float *restrict V,
+                         const int64_t *restrict slot, long n, long stride, float scale,
+                         float *restrict w) {
+  for (long s = 0; s < n; s++) {
+    const float *kr = K + (slot ? slot[s] : s) * stride;
+    for (long g = 0; g < group; g++) {
+      float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+      for (long i = 0; i < d; i++) t += qh[g * d + i] * kr[i];
+      w[g * n + s] = t * scale;
+    }
+  }
+  for (long g = 0; g < group; g++) { /* softmax of each query's scores */
+    float *wg = w + g * n, top = wg[0], sum = 0.0f;
+    for (long s = 1; s < n; s++) top = wg[s] > top ? wg[s] : top;
+#pragma omp simd reduction(+ : sum)
+    for (long s = 0; s < n; s++) sum += (wg[s] = exp_neg(wg[s] - top));
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (long s = 0; s < n; s++) wg[s] *= inv;
+    memset(oh + g * d, 0, sizeof(float) * d);
+  }
+  for (long s = 0; s < n; s++) {
+    const float *vr = V + (slot ? slot[s] : s) * stride;
+    for (long g = 0; g < group; g++) {
+      const float ws = w[g * n + s];
+#pragma omp simd
+      for (long i = 0; i < d; i++) oh[g * d + i] += ws * vr[i];
+    }
+  }
+}
+
 /* One decode step's attention for a layer of a contiguous cache, K and V [B, Hkv, L, d]:
    write each row's new k, v [B, Hkv, d] at its position p (pos[b]), then attend its Hq
    queries q [B, Hq, d] over slots 0..min(p, kv_len - 1), as minillm's masked SDPA does.
@@ -87,33 +124,41 @@ int decode_attention_f32(float *restrict K, float *restrict V, const float *rest
       float *Kh = K + (b * Hkv + h) * L * d, *Vh = V + (b * Hkv + h) * L * d;
       memcpy(Kh + p * d, k + (b * Hkv + h) * d, sizeof(float) * d);
       memcpy(Vh + p * d, v + (b * Hkv + h) * d, sizeof(float) * d);
-      const float *qh = q + (b * Hq + h * group) * d;
-      float *oh = out + (b * Hq + h * group) * d;
-      for (long s = 0; s < n; s++) /* scores: each K row once for the group's queries */
-        for (long g = 0; g < group; g++) {
-          float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-          for (long i = 0; i < d; i++) t += qh[g * d + i] * Kh[s * d + i];
-          w[g * n + s] = t * scale;
-        }
-      for (long g = 0; g < group; g++) { /* softmax of each query's scores */
-        float *wg = w + g * n, top = wg[0], sum = 0.0f;
-        for (long s = 1; s < n; s++) top = wg[s] > top ? wg[s] : top;
-#pragma omp simd reduction(+ : sum)
-        for (long s = 0; s < n; s++) sum += (wg[s] = exp_neg(wg[s] - top));
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (long s = 0; s < n; s++) wg[s] *= inv;
-        memset(oh + g * d, 0, sizeof(float) * d);
-      }
-      for (long s = 0; s < n; s++) /* the weighted sum: each V row once */
-        for (long g = 0; g < group; g++) {
-          const float ws = w[g * n + s];
-#pragma omp simd
-          for (long i = 0; i < d; i++) oh[g * d + i] += ws * Vh[s * d + i];
-        }
+      attend_group(q + (b * Hq + h * group) * d, out + (b * Hq + h * group) * d, group, d, Kh,
+                   Vh, NULL, n, d, scale, w);
     }
   }
   free(w);
   return 0;
+}
+
+/* The same for decode rows of a paged pool, K and V [blocks, bs, Hkv, d] (K/V already
+   written): row r's query heads q [R, Hq, d] attend its first lens[r] tokens, token s in
+   block tables[r, s / bs] at offset s % bs (tables [R, width]). out [R, Hq, d]. Returns 0,
+   -1 when the scratch memory cannot be allocated, -2 when a length needs more blocks than
+   its table holds or a block is not in the pool. */
+int paged_attention_f32(const float *restrict K, const float *restrict V,
+                        const float *restrict q, const int64_t *restrict tables,
+                        const int64_t *restrict lens, float *restrict out, long R, long Hq,
+                        long Hkv, long blocks, long bs, long width, long d, float scale) {
+  const long group = Hq / Hkv;
+  long longest = 1;
+  for (long r = 0; r < R; r++) longest = lens[r] > longest ? lens[r] : longest;
+  float *w = malloc(sizeof(float) * group * longest);
+  int64_t *slot = malloc(sizeof(int64_t) * longest);
+  int status = w == NULL || slot == NULL ? -1 : 0;
+  for (long r = 0; r < R && status == 0; r++) {
+    const long n = lens[r];
+    if (n < 1 || n > width * bs) status = -2;
+    for (long s = 0; s < n && status == 0; s++) {
+      const int64_t block = tables[r * width + s / bs];
+      if (block < 0 || block >= blocks) status = -2;
+      slot[s] = block * bs + s % bs; /* the slot's row of Hkv heads */
+    }
+    for (long h = 0; h < Hkv && status == 0; h++)
+      attend_group(q + (r * Hq + h * group) * d, out + (r * Hq + h * group) * d, group, d,
+                   K + h * d, V + h * d, slot, n, Hkv * d, scale, w);
+  }
+  free(w), free(slot);
+  return status;
 }

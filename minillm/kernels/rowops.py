@@ -100,3 +100,41 @@ def decode_attention(
     if status != 0:
         raise MemoryError("the C decode attention could not allocate its scores")
     return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor | None:
+    """Decode rows' attention read in place from a paged pool, in C: q [rows, heads, d]
+    over K/V pools [blocks, block_size, kv_heads, d] (this step's K/V already written),
+    row r seeing its first lens[r] tokens through its block table tables[r]; each kv head's
+    K and V read once for its group of queries. [rows, heads, d], or None where it does not
+    apply (not fp32 CPU tensors, a gradient wanted, a compile tracing)."""
+    lib = None if torch.compiler.is_compiling() else library()[0]
+    if (
+        lib is None
+        or q.dim() != 3
+        or tables.dtype != torch.int64
+        or lens.dtype != torch.int64
+        or not _plain(q, k_pool, v_pool)
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+    ):
+        return None
+    rows, heads, d = q.shape
+    blocks, block_size, kv_heads, _ = k_pool.shape
+    q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
+    out = q.new_empty(rows, heads, d)
+    ptrs = (k_pool, v_pool, q, tables, lens, out)
+    shape = (rows, heads, kv_heads, blocks, block_size, tables.shape[1], d)
+    status = lib.paged_attention_f32(*(t.data_ptr() for t in ptrs), *shape, d**-0.5)
+    if status == -2:
+        raise IndexError(
+            f"lengths {lens.tolist()} need blocks their tables {tables.tolist()} do not hold"
+        )
+    if status != 0:
+        raise MemoryError("the C paged attention could not allocate its scores")
+    return out
