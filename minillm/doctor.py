@@ -76,11 +76,11 @@ def device_lines() -> tuple[str, list[str]]:
     """('cuda' | 'mps' | 'cpu', description lines)."""
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
     lines.append(f"cpu: {platform.machine()}, {torch.get_num_threads()} torch threads")
-    ok, why = matvec_status()  # compiles the kernel once, under a second
+    ok, why = matvec_status()  # compiles the kernels once, in a second or two
     lines.append(
-        "C matvec kernel: ready (CPU decode steps use it)"
+        "C kernels (matvec, int8/Q4_1, row ops, decode attention): ready (CPU decode uses them)"
         if ok
-        else f"C matvec kernel: unavailable, CPU decode steps use BLAS ({why})"
+        else f"C kernels: unavailable, CPU decode steps use PyTorch and BLAS ({why})"
     )
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):

@@ -124,3 +124,22 @@ def test_paged_attention_matches_the_gather_path(model):
     with pytest.raises(IndexError, match="do not hold"):
         rowops.paged_attention(q, cache.k[0], cache.v[0], tables, torch.tensor([10, 9]))
     assert rowops.paged_attention(q.half(), cache.k[0], cache.v[0], tables, lens) is None
+
+
+def test_a_cache_with_its_own_update_keeps_it(model):
+    """A subclass's `update` (chapter 02's exercise grades one) runs on every step: the C
+    step would write the K/V itself, so it is not taken."""
+    calls = []
+
+    class Counting(KVCache):
+        def update(self, layer, k, v, positions):
+            calls.append(layer)
+            return super().update(layer, k, v, positions)
+
+    cfg = model.config
+    cache = Counting(cfg, 1, 8)
+    cache.kv_len = 4
+    q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim)
+    k = v = torch.randn(1, cfg.num_key_value_heads, 1, cfg.head_dim)
+    cache.attention(0, q, k, v, torch.tensor([[3]]))
+    assert calls == [0]

@@ -5,7 +5,10 @@ cache can be read.
 - `grouped_sdpa` (the caches' default): each kv head's group of query heads is folded into
   that head's rows, so a step reads each layer's K and V once;
 - `masked_sdpa` (PyTorch's `enable_gqa`): the kernel attends query head by query head, and
-  each kv head's K/V is streamed once per query head it serves.
+  each kv head's K/V is streamed once per query head it serves;
+- where it runs (fp32 on a CPU with a C compiler), the cache's own C step
+  (`minillm.kernels.rowops.decode_attention`): each K/V row read once per kv head too, with
+  no mask, index writes or SDPA call around it.
 
 At each context n, one round times, in turn: the attention of every layer over n cached
 tokens in each form, the whole decode step in each form, and a read of a buffer larger
@@ -24,11 +27,21 @@ import torch
 from minillm.bench.kv_costs import kv_bytes_per_token, random_ids
 from minillm.cache import KVCache
 from minillm.cache.protocol import SdpaFn, grouped_sdpa, masked_sdpa
+from minillm.kernels import rowops
+from minillm.kernels.matvec import matvec_status
 from minillm.lab import time_samples
 from minillm.model import Transformer
 
 FORMS: dict[str, SdpaFn] = {"grouped": grouped_sdpa, "per query head": masked_sdpa}
+C_FORM = "C kernel"  # the cache's one-token step in C: its own form, not an SdpaFn
 READ = "read"
+
+
+def forms_for(model: Transformer) -> list[str]:
+    """The forms this model is timed in: both SDPA forms, and the C step where it runs."""
+    weight = model.lm_head.weight
+    c_runs = matvec_status()[0] and weight.dtype == torch.float32 and weight.is_cpu
+    return [*FORMS, *([C_FORM] if c_runs else [])]
 
 
 def filled_cache(model: Transformer, n: int, seed: int = 0) -> KVCache:
@@ -36,40 +49,48 @@ def filled_cache(model: Transformer, n: int, seed: int = 0) -> KVCache:
     a prefill is minutes on one thread, and the step's speed does not depend on them)."""
     weight = model.lm_head.weight
     cache = KVCache(model.config, 1, n, weight.dtype, weight.device)
-    cache.decode_kernel = False  # the forms here are PyTorch's SDPA, not the C decode step
+    cache.decode_kernel = False  # each step picks its form (`step_fn`)
     g = torch.Generator(device=weight.device).manual_seed(seed)
     for buffer in (cache.k, cache.v):
         buffer.normal_(generator=g)
     return cache
 
 
-def attention_fn(model: Transformer, cache: KVCache, sdpa: SdpaFn) -> Callable[[], Any]:
+def attention_fn(model: Transformer, cache: KVCache, form: str) -> Callable[[], Any]:
     """Every layer's decode attention over the cache's slots, alone: one query row
-    [1, heads, 1, head_dim] a layer, as a step computes it."""
+    [1, heads, 1, head_dim] a layer, as a step computes it (the C form writes the step's
+    K/V at the last slot too, as it does in a step)."""
     c = model.config
     weight = model.lm_head.weight
     n = cache.kv_len
     q = torch.randn(c.num_hidden_layers, 1, c.num_attention_heads, 1, c.head_dim)
     q = q.to(device=weight.device, dtype=weight.dtype)
-    mask = cache.causal_mask(torch.tensor([[n - 1]], device=weight.device))
+    pos = torch.tensor([[n - 1]], device=weight.device)
+    mask = cache.causal_mask(pos)
+    new = cache.k[:, :, :, n - 1 : n].clone()  # this step's K/V: what the last slot holds
 
     @torch.inference_mode()
     def run() -> None:
         for layer in range(c.num_hidden_layers):
-            sdpa(q[layer], cache.k[layer, :, :, :n], cache.v[layer, :, :, :n], mask)
+            k, v = cache.k[layer], cache.v[layer]
+            if form == C_FORM:
+                rowops.decode_attention(k, v, q[layer], new[layer], new[layer], pos, n)
+            else:
+                FORMS[form](q[layer], k[:, :, :n], v[:, :, :n], mask)
 
     return run
 
 
-def step_fn(model: Transformer, cache: KVCache, sdpa: SdpaFn) -> Callable[[], Any]:
-    """The model's decode step at the cache's last slot, attending through `sdpa`."""
+def step_fn(model: Transformer, cache: KVCache, form: str) -> Callable[[], Any]:
+    """The model's decode step at the cache's last slot, attending in `form`."""
     n = cache.kv_len
     token = random_ids(model, 1)
     pos = torch.tensor([[n - 1]], device=token.device)
 
     @torch.inference_mode()
     def run() -> torch.Tensor:
-        cache.sdpa = sdpa  # this cache's attention form (SdpaCache's extension point)
+        # this cache's attention form (SdpaCache's extension point), or its own C step
+        cache.sdpa, cache.decode_kernel = FORMS.get(form, grouped_sdpa), form == C_FORM
         return model(token, pos, cache=cache)[:, -1]
 
     return run
@@ -87,9 +108,9 @@ def attention_sweep(
     read_bytes: int = 512 * 2**20,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """For each context n in `lengths`: each form's attention and decode step, and the read
-    bandwidth, timed in turn (`time_samples`), `repeats` rounds. Per form and n: seconds
-    (median, min, max over rounds), K/V bytes read, the attention's share of the read
+    """For each context n in `lengths`: each form's attention and decode step (`forms_for`),
+    and the read bandwidth, timed in turn (`time_samples`), `repeats` rounds. Per form and
+    n: seconds (median, min, max over rounds), K/V bytes read, the attention's share of the read
     bandwidth measured in the same round (median and range of the per-round ratio), and
     per doubling of n how much the attention's time grew against its bytes (2x)."""
     c = model.config
@@ -102,19 +123,21 @@ def attention_sweep(
         from tqdm.auto import tqdm
 
         items = tqdm(lengths, desc="context", leave=False)
+    forms = forms_for(model)
     for n in items:
         cache = filled_cache(model, n)
         fns: dict[str, Callable[[], Any]] = {READ: src.sum}
-        for name, sdpa in FORMS.items():
-            fns[f"{name} attention"] = attention_fn(model, cache, sdpa)
-            fns[f"{name} step"] = step_fn(model, cache, sdpa)
-        with torch.inference_mode():  # the two forms compute the same step, up to the
-            a, b = (fns[f"{name} step"]().float() for name in FORMS)  # order of fp32 sums
-        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+        for name in forms:
+            fns[f"{name} attention"] = attention_fn(model, cache, name)
+            fns[f"{name} step"] = step_fn(model, cache, name)
+        with torch.inference_mode():  # the forms compute the same step, up to the order
+            first, *rest = (fns[f"{name} step"]().float() for name in forms)  # of fp32 sums
+        for other in rest:
+            torch.testing.assert_close(other, first, atol=1e-3, rtol=1e-3)
         samples = time_samples(fns, repeats=repeats, warmup=warmup)
         kv = per_token * n
         row: dict[str, Any] = {"context": n, "kv_bytes": kv, "read_s": _spread(samples[READ])}
-        for name in FORMS:
+        for name in forms:
             attn = samples[f"{name} attention"]
             share = [(kv / t) / (src.nbytes / r) for t, r in zip(attn, samples[READ], strict=True)]
             row[name] = {
@@ -126,12 +149,15 @@ def attention_sweep(
         row["step_ratio"] = _spread([b / a for a, b in zip(first, second, strict=True)])
         rows.append(row)
         del cache
-    for name in FORMS:  # growth of the median attention time per doubling, over 2x bytes
+    for name in forms:  # growth of the median attention time per doubling, over 2x bytes
         for prev, row in zip(rows, rows[1:], strict=False):
             grew = row[name]["attention_s"]["median"] / prev[name]["attention_s"]["median"]
             row[name]["growth_over_bytes"] = grew / (row["kv_bytes"] / prev["kv_bytes"])
     return {
-        "forms": {name: fn.__name__ for name, fn in FORMS.items()},
+        "forms": {
+            name: FORMS[name].__name__ if name in FORMS else "rowops.decode_attention"
+            for name in forms
+        },
         "kv_bytes_per_token": per_token,
         "read_bytes": src.nbytes,
         "repeats": repeats,
@@ -142,7 +168,7 @@ def attention_sweep(
 def print_sweep(sweep: dict[str, Any]) -> None:
     """One line per context: each form's attention and step (median ms), its share of the
     read bandwidth, and the step ratio per query head / grouped."""
-    names = list(FORMS)
+    names = list(sweep["forms"])
     print(
         f"{'context':>8}{'K/V MiB':>9}"
         + "".join(f"{name + ' attn ms':>26}{'of read bw':>12}{'step ms':>10}" for name in names)

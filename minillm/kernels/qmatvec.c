@@ -5,13 +5,14 @@
    Y[r, j] = sum_i W[j, i] X[r, i]. The weights stay as their codes: decoding them to floats
    would cost more instructions than reading them from memory. Instead each row of X is
    rounded to int8 per block of 32 inputs (scale dx = absmax / 127), as llama.cpp rounds
-   activations for its quantized products, and a block's dot product is an integer one:
-   32 byte products summed in 8 int32 lanes by two instructions (maddubs, madd), which
-   one multiply-add by the block's scales d * dx turns into floats. Q4_1's minimum adds
-   m * (sum of the block's rounded x), so that the result is the exact weights times one
-   rounded x, as for int8 (with the sum of x itself, the rounding error would scale with
-   the codes 0..15, not with the weights around 0). Every row of X is computed alone, so a row's
-   result does not depend on what it is batched with; four rows share each weight load. */
+   activations for its quantized products, and a block's dot product is an integer one,
+   byte products summed in int32 lanes (AVX2: maddubs then madd, 32 bytes; AVX-512 VNNI:
+   one vpdpbusd, 64), which one multiply-add by the block's scales d * dx turns into
+   floats. Q4_1's minimum adds m * (sum of the block's rounded x), so that the result is the
+   exact weights times one rounded x, as for int8 (with the sum of x itself, the rounding
+   error would scale with the codes 0..15, not with the weights around 0). Each row of X is
+   computed alone, so its result does not depend on what it is batched with; up to four
+   rows share each weight load. Without AVX2 the same integer sums run as plain C loops. */
 
 #include <math.h>
 #include <stdint.h>
@@ -22,7 +23,7 @@
 #define SIMD 1
 #endif
 #if defined(SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define WIDE 4 /* q4 takes four blocks an instruction (AVX-512's vpdpbusd), then pairs */
+#define WIDE 4 /* q4 takes four blocks an instruction (vpdpbusd), then pairs */
 #else
 #define WIDE 2
 #endif
@@ -167,17 +168,20 @@ INLINE void q4_rows(const uint8_t *restrict W, const uint16_t *restrict D,
         __m256i even = _mm256_loadu_si256((const __m256i *)x);
         __m256i odd = _mm256_loadu_si256((const __m256i *)(x + BLOCK));
         /* int16 lanes: at most 4 x 15 x 127, no saturation */
-        __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
+        __m256i pairs =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
         __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
         __m128 s2 = _mm_mul_ps(dd, _mm_loadl_pi(_mm_setzero_ps(), (const __m64 *)(X[r].dx + b)));
         __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), halves);
         acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
-        mins[r] = _mm_fmadd_ps(mm, _mm_loadl_pi(_mm_setzero_ps(), (const __m64 *)(X[r].sum + b)), mins[r]);
+        __m128 sums2 = _mm_loadl_pi(_mm_setzero_ps(), (const __m64 *)(X[r].sum + b));
+        mins[r] = _mm_fmadd_ps(mm, sums2, mins[r]);
       }
     }
     if (b < nb) { /* the last block, alone: 16 low nibbles, then 16 high ones */
       __m128i p = _mm_loadu_si128((const __m128i *)(w + b * 16)), low16 = _mm_set1_epi8(15);
-      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low16), _mm_and_si128(p, low16));
+      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low16),
+                                   _mm_and_si128(p, low16));
       const float db = half_to_float(d[b]), mb = half_to_float(m[b]);
       for (int r = 0; r < n; r++) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(X[r].q + b * BLOCK));
@@ -226,7 +230,8 @@ static int scratch(qrow *rows, long in) { /* codes, scales and sums for ROWS row
   char *buf = malloc(ROWS * in + sizeof(float) * ROWS * 2 * nb);
   if (buf == NULL) return -1;
   float *f = (float *)(buf + ROWS * in);
-  for (int r = 0; r < ROWS; r++) rows[r] = (qrow){(int8_t *)buf + r * in, f + r * nb, f + (ROWS + r) * nb};
+  for (int r = 0; r < ROWS; r++)
+    rows[r] = (qrow){(int8_t *)buf + r * in, f + r * nb, f + (ROWS + r) * nb};
   return 0;
 }
 

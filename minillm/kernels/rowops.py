@@ -1,12 +1,16 @@
-"""A decode step's RMSNorm and rotary embedding in C (`rowops.c`), for the model's `Ops`.
+"""A decode step's small ops in C (`rowops.c`): RMSNorm and rotary embedding for the model's
+`Ops`, and the attention of one-token rows over a contiguous cache or a paged pool.
 
 At one token a step, `rms_norm` and `apply_rope` (minillm.model.transformer) are seven or
-eight PyTorch ops each on a few hundred floats: every op pays its dispatch and allocates a
-temporary, and together they cost more than the arithmetic. `rms_norm` and `rope` here do
-the same math in one C pass each, with the same signatures as the model's ops, so a model
-takes them as `model.ops` (`minillm.model.layout.use_matvec` does, beside the C matvec
-kernel). They take fp32 CPU tensors with no gradient wanted and hand anything else to the
-PyTorch version, unchanged; the library is `matvec.py`'s, compiled once per machine.
+eight PyTorch ops each on a few hundred floats, and a cached attention is a mask, two index
+writes and an SDPA call: every op pays its dispatch and allocates a temporary, and together
+they cost more than the arithmetic. Here each is one C pass with the signature of what it
+replaces: a model takes `rms_norm` and `rope` as `model.ops` (`minillm.model.layout.
+use_row_ops`, which `use_matvec` calls), `KVCache` and `PagedKVCache` call
+`decode_attention` and `paged_attention` for their decode rows. Each takes fp32 CPU tensors
+with no gradient wanted and outside a compile, and hands anything else back (to the
+PyTorch op, or None: the caller keeps its path). The library is `matvec.py`'s, compiled
+once per machine.
 """
 
 from __future__ import annotations
