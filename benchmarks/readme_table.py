@@ -59,7 +59,7 @@ def pct(value: float) -> str:
 
 
 def delta(value: float) -> str:
-    return f"{value:+.1%}"
+    return f"{round(value, 3) or 0.0:+.1%}"  # -0.0001 reads +0.0%, not -0.0%
 
 
 def model_name(key: str | None) -> str:

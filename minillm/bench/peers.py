@@ -207,7 +207,7 @@ def print_result(result: dict[str, Any]) -> None:
         tps = r["tokens_per_s"]
         print(
             f"{name:<22}{f'{min(tps):.1f}-{max(tps):.1f}':>18}{r['bytes_per_token'] / 1e6:>12.1f}"
-            f"{r['perplexity']:>12.2f}{r['ppl_delta']:>+9.1%}"
+            f"{r['perplexity']:>12.2f}{round(r['ppl_delta'], 3) or 0.0:>+9.1%}"
         )
     for pair, ratios in pair_ratios(result).items():
         print(
