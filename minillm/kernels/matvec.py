@@ -9,8 +9,8 @@ there because it brings its own vectorized dot product per weight row. `matvec.c
 the same: each row of W [out, in] is read once, as one contiguous stream, and dotted with
 up to four input rows at a time, which stay in cache.
 
-The C file is compiled once per machine on first use (`cc -O3 -march=native`, under a
-second, into `$MINILLM_CACHE/kernels/`) and called through ctypes. Where there is no C
+The C files are compiled once per machine on first use (`cc -O3 -march=native`, a second
+or two, into `$MINILLM_CACHE/kernels/`) and called through ctypes. Where there is no C
 compiler, `matvec_status()` says so; nothing else changes. Past `MAX_ROWS` rows (a prefill,
 a large batch of decodes) the product is a matrix product that BLAS runs well:
 `try_matvec` says so by returning None, and the caller keeps `F.linear`. The model layer
@@ -20,6 +20,9 @@ The quantized products (`Int8Product`, `Q4Product`) read the weights as codes an
 each row of x to int8 per block of 32 inputs, as llama.cpp does, so that a block's dot
 product is an integer one (the header of `qmatvec.c` says how); they take any number of
 rows, each computed alone. `minillm.quant.cpu_kernels` holds the layers' side.
+
+The same library holds `rowops.c` (RMSNorm, rotary embedding, decode attention: see
+`minillm.kernels.rowops`), so one compile serves every CPU kernel of the course.
 """
 
 from __future__ import annotations

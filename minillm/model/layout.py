@@ -116,7 +116,8 @@ def use_matvec(model: nn.Module) -> nn.Module:
     in place: each becomes a `MatVecLinear` holding the same `Parameter`s, so tied weights
     stay tied. Returns the model. Raises RuntimeError naming the fix where the kernel
     cannot be built. A model in `decode_layout` goes back to rows (the kernel streams each
-    weight row, where BLAS wanted the transpose) and drops its side-by-side buffers."""
+    weight row, where BLAS wanted the transpose) and drops its side-by-side buffers. A
+    `Transformer` also takes the C RMSNorm and rotary embedding (`use_row_ops`)."""
     ok, why = matvec.matvec_status()
     if not ok:
         raise RuntimeError(f"the C matvec kernel cannot run here: {why}")
