@@ -89,22 +89,21 @@ def library() -> tuple[ctypes.CDLL | None, str]:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The kernels' C signatures, so ctypes passes 64-bit pointers and longs."""
-    if hasattr(lib, "matvec_f32"):
-        lib.matvec_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-        lib.matvec_f32.restype = None
-    lib.matvec_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    lib.matvec_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
-    lib.matvec_int8.restype = lib.matvec_q4.restype = ctypes.c_int
-    if hasattr(lib, "rms_norm_f32"):
-        lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
-        lib.rope_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
-        lib.rms_norm_f32.restype = lib.rope_f32.restype = None
-        lib.decode_attention_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 6
-        lib.decode_attention_f32.argtypes += [ctypes.c_float]
-        lib.decode_attention_f32.restype = lib.paged_attention_f32.restype = ctypes.c_int
-        lib.paged_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7
-        lib.paged_attention_f32.argtypes += [ctypes.c_float]
+    """The kernels' C signatures (a library built from `SOURCES`), so ctypes passes 64-bit
+    pointers and longs."""
+    ptr, long, flt = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    signatures = {  # name: (argument types, return type)
+        "matvec_f32": ([ptr] * 4 + [long] * 3, None),
+        "matvec_int8": ([ptr] * 4 + [long] * 3, ctypes.c_int),
+        "matvec_q4": ([ptr] * 5 + [long] * 3, ctypes.c_int),
+        "rms_norm_f32": ([ptr] * 3 + [long] * 2 + [flt], None),
+        "rope_f32": ([ptr] * 4 + [long] * 7, None),
+        "decode_attention_f32": ([ptr] * 7 + [long] * 6 + [flt], ctypes.c_int),
+        "paged_attention_f32": ([ptr] * 6 + [long] * 7 + [flt], ctypes.c_int),
+    }
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
     return lib
 
 

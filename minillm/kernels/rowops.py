@@ -16,12 +16,19 @@ once per machine.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from minillm.kernels.matvec import library
 
 Fallback = Callable[..., torch.Tensor]
+
+
+def _library() -> Any:
+    """The compiled library, or None where it is not built or a compile is tracing (which
+    must see the PyTorch ops, not a ctypes call)."""
+    return None if torch.compiler.is_compiling() else library()[0]
 
 
 def _plain(*ts: torch.Tensor) -> bool:
@@ -32,7 +39,7 @@ def _plain(*ts: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback: Fallback) -> torch.Tensor:
     """`fallback(x, weight, eps)`'s RMSNorm over the last dimension, in C where it applies."""
-    lib = None if torch.compiler.is_compiling() else library()[0]  # a compile traces torch's
+    lib = _library()
     if lib is None or not _plain(x, weight) or not weight.is_contiguous():
         return fallback(x, weight, eps)
     x = x.contiguous()
@@ -45,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fallback: Fallba
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fallback: Fallback) -> torch.Tensor:
     """`fallback(x, cos, sin)`'s rotation of x [B, H, T, d] by tables [B, T, d], in C where
     it applies (x's channels contiguous, the tables contiguous); the result is contiguous."""
-    lib = None if torch.compiler.is_compiling() else library()[0]
+    lib = _library()
     if (
         lib is None
         or not _plain(x, cos, sin)
@@ -79,7 +86,7 @@ def decode_attention(
     once for its group of query heads. None (nothing written) where it does not apply:
     not one token a row, not fp32 CPU tensors, a gradient wanted, a compile tracing (it
     sees PyTorch's path)."""
-    lib = None if torch.compiler.is_compiling() else library()[0]
+    lib = _library()
     if (
         lib is None
         or q.dim() != 4
@@ -118,7 +125,7 @@ def paged_attention(
     row r seeing its first lens[r] tokens through its block table tables[r]; each kv head's
     K and V read once for its group of queries. [rows, heads, d], or None where it does not
     apply (not fp32 CPU tensors, a gradient wanted, a compile tracing)."""
-    lib = None if torch.compiler.is_compiling() else library()[0]
+    lib = _library()
     if (
         lib is None
         or q.dim() != 3
